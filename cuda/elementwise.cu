@@ -1,0 +1,210 @@
+// elementwise.cu: the one generic kernel behind every op and kind.
+//
+//   act_kernel<Op, FORWARD, bias>       y = op(x)
+//   act_kernel<Op, FORWARD_MASK, bias>  y = op(x) and the mask, in one pass
+//   act_kernel<Op, BACKWARD, false>     dx = op'(dy, mask); x is never read
+// With bias, x + bias[channel] (rounded to T) is what the op sees.
+//
+// Mask format: bit (i % 32) of 32-bit word (i / 32) holds element i's bit, so
+// byte k, bit b (least significant first) is element 8k + b: the order of
+// numpy.packbits(bits, bitorder="little"). The buffer holds ceil(n / 8) bytes
+// rounded up to a multiple of 16; every bit past n is written as 0.
+//
+// Work split: each warp walks a grid-stride loop over tiles of kUnroll * 32
+// 16-byte vectors; lane l of the warp holds elements [l*V, l*V + V) of each
+// vector (V = 16 / sizeof(T)), so loads and stores are coalesced 16-byte accesses
+// and a warp's vector covers exactly V whole mask words. What the tiles leave
+// (the tail, or everything when x or y is not 16-byte aligned) is done a
+// warp-sized group of 32 elements at a time, one element per lane, where a
+// ballot forms each mask word. Indices are 64-bit throughout.
+#include "numerics.cuh"
+#include "params.cuh"
+#include "activations.cuh"
+
+namespace cupy_act {
+
+enum Kind { FORWARD = 0, FORWARD_MASK = 1, BACKWARD = 2 };
+
+// Launch shape, set by cupy_act/_loader.py through -D options (the defaults here
+// are the same values). scripts/tune.py measured them on an H200.
+#ifndef CUPY_ACT_THREADS
+#define CUPY_ACT_THREADS 128
+#endif
+#ifndef CUPY_ACT_UNROLL_2
+#define CUPY_ACT_UNROLL_2 2  // 16-byte vectors per thread per trip, 2-byte types
+#endif
+#ifndef CUPY_ACT_UNROLL_4
+#define CUPY_ACT_UNROLL_4 1  // ... 4-byte types
+#endif
+#ifndef CUPY_ACT_UNROLL_8
+#define CUPY_ACT_UNROLL_8 1  // ... 8-byte types
+#endif
+#ifndef CUPY_ACT_STREAMING
+#define CUPY_ACT_STREAMING 0
+#endif
+constexpr int kThreads = CUPY_ACT_THREADS;  // threads per block
+
+template <int Size>
+struct Unroll {
+  static constexpr int value =
+      Size == 2 ? CUPY_ACT_UNROLL_2 : (Size == 4 ? CUPY_ACT_UNROLL_4 : CUPY_ACT_UNROLL_8);
+};
+
+struct __align__(16) Raw16 { u32 w[4]; };
+
+// 16-byte global accesses; with CUPY_ACT_STREAMING the .cs (evict-first) forms,
+// since every byte is touched exactly once.
+__device__ __forceinline__ Raw16 load16(const void* p) {
+#if CUPY_ACT_STREAMING
+  Raw16 r;
+  asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.w[0]), "=r"(r.w[1]), "=r"(r.w[2]), "=r"(r.w[3]) : "l"(p));
+  return r;
+#else
+  return *static_cast<const Raw16*>(p);
+#endif
+}
+__device__ __forceinline__ void store16(void* p, const Raw16& v) {
+#if CUPY_ACT_STREAMING
+  asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};"
+               :: "l"(p), "r"(v.w[0]), "r"(v.w[1]), "r"(v.w[2]), "r"(v.w[3]) : "memory");
+#else
+  *static_cast<Raw16*>(p) = v;
+#endif
+}
+
+template <typename T>
+union Pack {
+  Raw16 raw;
+  T e[16 / sizeof(T)];
+};
+
+// Tracks the bias channel of an index i without dividing per element:
+// r = i % inner and c = (i / inner) % channels.
+struct Channel {
+  long long r, c;
+  __device__ __forceinline__ void seek(long long i, long long inner, long long channels) {
+    const long long q = i / inner;
+    r = i - q * inner;
+    c = q % channels;
+  }
+  // i += 1
+  __device__ __forceinline__ void next(long long inner, long long channels) {
+    if (++r == inner) {
+      r = 0;
+      if (++c == channels) c = 0;
+    }
+  }
+  // i += stride, given dr = stride % inner and dc = (stride / inner) % channels.
+  // c + dc + carry <= 2 * channels - 1, so one subtraction wraps it.
+  __device__ __forceinline__ void jump(long long dr, long long dc, long long inner,
+                                       long long channels) {
+    r += dr;
+    long long carry = 0;
+    if (r >= inner) {
+      r -= inner;
+      carry = 1;
+    }
+    c += dc + carry;
+    if (c >= channels) c -= channels;
+  }
+};
+
+template <class Op, int K, bool HasBias>
+__global__ void __launch_bounds__(kThreads) act_kernel(const Params p) {
+  typedef typename Op::T T;
+  constexpr int kUnroll = Unroll<sizeof(T)>::value;
+  constexpr int V = 16 / sizeof(T);             // elements per 16-byte vector
+  constexpr int G = 32 / V;                     // lanes whose bits share a mask word
+  constexpr long long kStep = 32LL * V;         // elements per warp-wide vector
+  constexpr long long kTile = kStep * kUnroll;  // elements per warp per trip
+  const Op op(p);
+  const T* x = static_cast<const T*>(p.x);
+  T* y = static_cast<T*>(p.y);  // may alias x: every element is read before written
+  const T* bias = static_cast<const T*>(p.bias);
+  const typename Num<T>::op_t alpha = scalar_from_bits<typename Num<T>::op_t>(p.alpha);
+  const int lane = threadIdx.x & 31;
+  const long long warp = ((long long)blockIdx.x * kThreads + threadIdx.x) >> 5;
+  const long long nwarps = ((long long)gridDim.x * kThreads) >> 5;
+
+  const bool aligned = (((u64)x | (u64)y) & 15) == 0;
+  const long long tiles = aligned ? p.n / kTile : 0;
+
+  Channel ch[kUnroll];
+  long long dr = 0, dc = 0;
+  if (HasBias && warp < tiles) {
+    const long long stride = nwarps * kTile;
+    dr = stride % p.inner;
+    dc = (stride / p.inner) % p.channels;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      ch[u].seek(warp * kTile + u * kStep + lane * V, p.inner, p.channels);
+  }
+
+  for (long long t = warp; t < tiles; t += nwarps) {
+    const long long base = t * kTile;
+    Pack<T> v[kUnroll];
+    u32 word[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {  // all loads first: kUnroll in flight
+      v[u].raw = load16(x + base + u * kStep + lane * V);
+      if (K == BACKWARD) word[u] = p.mask[(base + u * kStep) / 32 + lane / G];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int shift = V * (lane % G);  // this lane's bits within its word
+      u32 bits = K == BACKWARD ? word[u] >> shift : 0u;
+      Pack<T> out;
+      Channel c = ch[u];
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        if (K == BACKWARD) {
+          out.e[j] = op.backward(v[u].e[j], (bits >> j) & 1u);
+        } else {
+          T xj = v[u].e[j];
+          if (HasBias) {
+            xj = add_bias(xj, bias[c.c], alpha);
+            c.next(p.inner, p.channels);
+          }
+          bool b;
+          out.e[j] = op.forward(xj, b);
+          bits |= (u32)b << j;
+        }
+      }
+      store16(y + base + u * kStep + lane * V, out.raw);
+      if (K == FORWARD_MASK) {  // OR the G lanes' V-bit pieces into one word
+        u32 w = bits << shift;
+#pragma unroll
+        for (int off = 1; off < G; off <<= 1) w |= __shfl_xor_sync(0xffffffffu, w, off);
+        if (lane % G == 0) p.mask[(base + u * kStep) / 32 + lane / G] = w;
+      }
+      if (HasBias) ch[u].jump(dr, dc, p.inner, p.channels);
+    }
+  }
+
+  // Groups of 32 elements after the tiles; with a mask, on to the end of the
+  // buffer so that the padding words are written (as 0) too.
+  const long long first = tiles * kTile / 32;
+  const long long groups = K == FORWARD_MASK ? p.mask_words : (p.n + 31) / 32;
+  for (long long g = first + warp; g < groups; g += nwarps) {
+    const long long i = g * 32 + lane;
+    const bool active = i < p.n;
+    if (K == BACKWARD) {
+      const u32 w = p.mask[g];
+      if (active) y[i] = op.backward(x[i], (w >> lane) & 1u);
+    } else {
+      bool b = false;
+      if (active) {
+        T xi = x[i];
+        if (HasBias) xi = add_bias(xi, bias[(i / p.inner) % p.channels], alpha);
+        y[i] = op.forward(xi, b);
+      }
+      if (K == FORWARD_MASK) {
+        const u32 w = __ballot_sync(0xffffffffu, b);
+        if (lane == 0) p.mask[g] = w;
+      }
+    }
+  }
+}
+
+}  // namespace cupy_act

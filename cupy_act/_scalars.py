@@ -1,0 +1,68 @@
+"""Python-number arguments: validation and rounding to the kernel's op type.
+
+PyTorch hands a Python ``negative_slope`` or ``divisor`` to its kernels as
+``Scalar.to<opmath_t>()``: float for float16/bfloat16/float32, double for
+float64 (an int is converted directly from int64). ``x / divisor`` becomes
+``x * (1 / divisor)`` with the reciprocal taken on the host in that type. These
+helpers reproduce that rounding exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy
+
+_INT64 = (-(2**63), 2**63)
+
+
+def check_real(value, name: str, fname: str) -> None:
+    """TypeError unless ``value`` is a real Python or NumPy number (not a bool)."""
+    if isinstance(value, (bool, numpy.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{fname}: {name} must be a real number (int or float), "
+            f"got {value!r} of type {type(value).__name__}"
+        )
+    if isinstance(value, numbers.Integral) and not _INT64[0] <= int(value) < _INT64[1]:
+        raise ValueError(f"{fname}: {name}={value} does not fit in int64")
+
+
+def check_divisor(divisor, fname: str) -> None:
+    """Type and value checks that do not depend on the dtype."""
+    check_real(divisor, "divisor", fname)
+    if not math.isfinite(float(divisor)) or divisor == 0:
+        raise ValueError(f"{fname}: divisor must be a finite, non-zero number, got {divisor!r}")
+
+
+def to_op_type(value, double: bool, name: str, fname: str) -> float:
+    """``value`` rounded as ``Scalar.to<opmath_t>()`` would, as a Python float.
+
+    ``double`` selects float64 as the op type, else float32. A finite value
+    beyond float32's range raises ValueError, as PyTorch's checked conversion does.
+    """
+    check_real(value, name, fname)
+    with numpy.errstate(over="ignore"):
+        if isinstance(value, numbers.Integral):
+            v = numpy.int64(int(value))
+            r = float(numpy.float64(v) if double else numpy.float32(v))
+        else:
+            r = float(value) if double else float(numpy.float32(float(value)))
+    if math.isfinite(float(value)) and not math.isfinite(r):
+        raise ValueError(
+            f"{fname}: {name}={value!r} is out of range for float32, the op type "
+            f"of float16/bfloat16/float32 inputs"
+        )
+    return r
+
+
+def reciprocal(divisor, double: bool, fname: str) -> float:
+    """``1 / divisor`` in the op type, as ATen computes it for ``x / divisor``."""
+    check_divisor(divisor, fname)
+    d = to_op_type(divisor, double, "divisor", fname)
+    if d == 0:
+        raise ValueError(f"{fname}: divisor={divisor!r} rounds to 0 in float32")
+    with numpy.errstate(all="ignore"):  # a subnormal divisor gives inf, as in ATen
+        if double:
+            return float(numpy.float64(1.0) / numpy.float64(d))
+        return float(numpy.float32(1.0) / numpy.float32(d))

@@ -1,0 +1,230 @@
+"""Array-level API on CuPy arrays (and any DLPack / CUDA-array-interface producer).
+
+Every function validates its arguments, allocates what is missing, and launches
+the generic kernel on the input's device and CuPy's current stream. Outputs
+are new C-contiguous arrays unless ``out=`` is given (``out=x`` works in place).
+Masks hold one bit per element in C order: see ``unpack_mask``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy
+
+from . import _launch, _loader
+from ._arrays import as_device_array, check_like, check_mask, mask_nbytes, on_device, overlaps
+from ._kernels import kernel_name
+from ._scalars import check_divisor, check_real, reciprocal, to_op_type
+
+__all__ = [
+    "relu",
+    "leaky_relu",
+    "div_leaky_relu",
+    "relu_with_mask",
+    "leaky_relu_with_mask",
+    "div_leaky_relu_with_mask",
+    "relu_backward",
+    "leaky_relu_backward",
+    "div_leaky_relu_backward",
+    "mask_nbytes",
+    "unpack_mask",
+]
+
+
+def _run(fname, op, kind, src, *, out=None, mask=None, slope=0.0, divisor=None, bias=None):
+    """Validate, allocate and launch one op; the shared body of every public function."""
+    import cupy
+
+    if op != "relu":
+        check_real(slope, "negative_slope", fname)
+    if op == "div_leaky_relu":
+        check_divisor(divisor, fname)
+    src_name = "dy" if kind == "backward" else "x"
+    src = as_device_array(src, src_name, fname)
+    double = src.dtype == numpy.float64
+    slope = to_op_type(slope, double, "negative_slope", fname) if op != "relu" else 0.0
+    scale = reciprocal(divisor, double, fname) if op == "div_leaky_relu" else 1.0
+    if out is not None:
+        out = as_device_array(out, "out", fname)
+        check_like(out, "out", src, fname)
+
+    dev = src.device.id
+    with on_device(dev):
+        x = cupy.ascontiguousarray(src)  # masks and the bias index are in C order
+        n = x.size
+        inner = channels = 1
+        bias_ptr = 0
+        if bias is not None:
+            if x.ndim < 2:
+                raise ValueError(
+                    f"{fname}: bias needs an input with a channel axis (axis 1), "
+                    f"got shape {x.shape}"
+                )
+            b = as_device_array(bias, "bias", fname)
+            check_like(b, "bias", x, fname, shape=(x.shape[1],))
+            b = cupy.ascontiguousarray(b)
+            bias_ptr, channels, inner = b.data.ptr, x.shape[1], math.prod(x.shape[2:])
+        if kind == "backward" or mask is not None:
+            mask = check_mask(mask, n, x, fname)
+        elif kind == "forward_mask":
+            mask = cupy.empty(mask_nbytes(n), dtype=numpy.uint8)
+
+        # Write straight into `out` when it is C-contiguous and either is x or
+        # does not touch x; otherwise go through a temporary.
+        direct = out is not None and out.flags.c_contiguous and (
+            out.data.ptr == x.data.ptr or not overlaps(out, x)
+        )
+        y = out if direct else cupy.empty(x.shape, dtype=x.dtype)
+        if n:
+            kernel = _loader.kernels(dev)[kernel_name(op, str(x.dtype), kind, bias is not None)]
+            _launch.launch(
+                kernel,
+                cupy.cuda.get_current_stream().ptr,
+                n,
+                x.itemsize,
+                x.data.ptr,
+                y.data.ptr,
+                mask=0 if mask is None else mask.data.ptr,
+                mask_words=0 if mask is None else mask.size // 4,
+                bias=bias_ptr,
+                inner=inner,
+                channels=channels,
+                slope=slope,
+                scale=scale,
+            )
+        if out is not None and not direct:
+            out[...] = y
+            y = out
+    return (y, mask) if kind == "forward_mask" else y
+
+
+def relu(x, out=None):
+    """ReLU, bit for bit ``torch.relu``: NaN passes through, -0 and x < 0 give +0.
+
+    Args:
+        x: floating-point GPU array (float16, bfloat16, float32, float64).
+        out: optional output of x's shape and dtype; ``out=x`` works in place.
+    Returns:
+        The output array.
+    """
+    return _run("cupy_act.relu", "relu", "forward", x, out=out)
+
+
+def leaky_relu(x, negative_slope=0.01, out=None):
+    """LeakyReLU, bit for bit ``F.leaky_relu``: ``x > 0 ? x : x * negative_slope``.
+
+    The product is taken in float32 for 16-bit inputs (float64 for float64) and
+    rounded once; subnormals are never flushed.
+    """
+    return _run("cupy_act.leaky_relu", "leaky_relu", "forward", x, out=out, slope=negative_slope)
+
+
+def div_leaky_relu(x, divisor, negative_slope=0.01, bias=None, out=None):
+    """``leaky_relu((x + bias) / divisor, negative_slope)`` in one pass.
+
+    Bit for bit what PyTorch computes for ``F.leaky_relu(x / divisor, slope)``
+    (with ``bias``: ``F.leaky_relu((x + bias.view(1, -1, 1, ..)) / divisor)``),
+    each intermediate rounded to x's dtype as the eager ops store it.
+
+    Args:
+        x: floating-point GPU array; with ``bias``, channels on axis 1 (NCHW).
+        divisor: finite, non-zero Python number.
+        negative_slope: slope for inputs <= 0.
+        bias: optional per-channel array of shape ``(x.shape[1],)``, x's dtype.
+        out: optional output of x's shape and dtype.
+    """
+    return _run(
+        "cupy_act.div_leaky_relu",
+        "div_leaky_relu",
+        "forward",
+        x,
+        out=out,
+        slope=negative_slope,
+        divisor=divisor,
+        bias=bias,
+    )
+
+
+def relu_with_mask(x, out=None, mask=None):
+    """``relu(x)`` and its 1-bit mask (``!(x <= 0)``: set for x > 0 and NaN), one pass.
+
+    Returns:
+        ``(y, mask)``; ``mask`` is a uint8 array of ``mask_nbytes(x.size)`` bytes
+        (pass your own in ``mask=`` to reuse a buffer).
+    """
+    return _run("cupy_act.relu_with_mask", "relu", "forward_mask", x, out=out, mask=mask)
+
+
+def leaky_relu_with_mask(x, negative_slope=0.01, out=None, mask=None):
+    """``leaky_relu(x)`` and its 1-bit mask (``x > 0``), in one pass. Returns ``(y, mask)``."""
+    return _run(
+        "cupy_act.leaky_relu_with_mask",
+        "leaky_relu",
+        "forward_mask",
+        x,
+        out=out,
+        mask=mask,
+        slope=negative_slope,
+    )
+
+
+def div_leaky_relu_with_mask(x, divisor, negative_slope=0.01, bias=None, out=None, mask=None):
+    """``div_leaky_relu`` and its mask (``(x + bias) / divisor > 0``). Returns ``(y, mask)``."""
+    return _run(
+        "cupy_act.div_leaky_relu_with_mask",
+        "div_leaky_relu",
+        "forward_mask",
+        x,
+        out=out,
+        mask=mask,
+        slope=negative_slope,
+        divisor=divisor,
+        bias=bias,
+    )
+
+
+def relu_backward(dy, mask, out=None):
+    """Gradient of ReLU from the mask: ``dy`` where the bit is set, else +0.
+
+    Bit for bit PyTorch's ``threshold_backward(dy, relu(x), 0)``; x is not needed.
+    """
+    return _run("cupy_act.relu_backward", "relu", "backward", dy, out=out, mask=mask)
+
+
+def leaky_relu_backward(dy, mask, negative_slope=0.01, out=None):
+    """Gradient of LeakyReLU from the mask, bit for bit ``aten.leaky_relu_backward``."""
+    return _run(
+        "cupy_act.leaky_relu_backward",
+        "leaky_relu",
+        "backward",
+        dy,
+        out=out,
+        mask=mask,
+        slope=negative_slope,
+    )
+
+
+def div_leaky_relu_backward(dy, mask, divisor, negative_slope=0.01, out=None):
+    """Gradient of ``leaky_relu(x / divisor)`` w.r.t. x from the mask (and w.r.t. the
+    pre-bias input: the bias gradient is its sum over all but the channel axis)."""
+    return _run(
+        "cupy_act.div_leaky_relu_backward",
+        "div_leaky_relu",
+        "backward",
+        dy,
+        out=out,
+        mask=mask,
+        slope=negative_slope,
+        divisor=divisor,
+    )
+
+
+def unpack_mask(mask, n: int):
+    """The ``n`` mask bits as a boolean CuPy array (bit i of the mask is element i)."""
+    import cupy
+
+    mask = as_device_array(mask, "mask", "cupy_act.unpack_mask", allowed=("uint8",))
+    if mask.size * 8 < n:
+        raise ValueError(f"cupy_act.unpack_mask: mask has {mask.size} bytes, fewer than n={n} bits")
+    return cupy.unpackbits(mask, bitorder="little")[:n].astype(bool)

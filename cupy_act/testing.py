@@ -1,0 +1,113 @@
+"""The single PyTorch reference for every op, plus test-data helpers.
+
+Shared by the test suite, the benchmarks and ``python -m cupy_act``. The
+reference is PyTorch eager itself: forward is the torch expression, the mask
+is the predicate its backward branches on, and the backward is autograd of the
+forward expression. Needs torch; importing ``cupy_act`` never imports this.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+INT_VIEW = {
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+}
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _pre(op, x, divisor, bias):
+    """The tensor the activation sees: x, or (x [+ bias]) / divisor as eager stores it."""
+    if op != "div_leaky_relu":
+        return x
+    if bias is not None:
+        x = x + bias.view(1, -1, *([1] * (x.dim() - 2)))
+    return x / divisor
+
+
+def forward(op, x, slope=0.01, divisor=None, bias=None):
+    """PyTorch eager forward of ``op``."""
+    t = _pre(op, x, divisor, bias)
+    return torch.relu(t) if op == "relu" else F.leaky_relu(t, slope)
+
+
+def mask_bits(op, x, divisor=None, bias=None):
+    """The boolean per element that the backward branches on (one mask bit)."""
+    with torch.no_grad():
+        t = _pre(op, x, divisor, bias)
+        return ~(t <= 0) if op == "relu" else t > 0
+
+
+def backward(op, x, dy, slope=0.01, divisor=None, bias=None):
+    """PyTorch autograd's gradient of ``forward`` w.r.t. x for upstream ``dy``."""
+    xr = x.detach().clone().requires_grad_(True)
+    y = forward(op, xr, slope, divisor, None if bias is None else bias.detach())
+    (dx,) = torch.autograd.grad(y, xr, dy)
+    return dx
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Integer view for bit-for-bit comparison."""
+    return t.contiguous().view(INT_VIEW[t.dtype])
+
+
+def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    """Assert identical shapes, dtypes and bits; report the first differences."""
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    a, e = bits(actual).flatten(), bits(expected).flatten()
+    bad = (a != e).nonzero().flatten()
+    if bad.numel():
+        i = bad[:5].tolist()
+        raise AssertionError(
+            f"{what}: {bad.numel()} of {a.numel()} elements differ; first at {i}: "
+            f"got {[hex(v) for v in a[i].tolist()]} expected {[hex(v) for v in e[i].tolist()]}"
+        )
+
+
+def special_values(dtype: torch.dtype) -> torch.Tensor:
+    """Signed zeros, infinities, NaNs with payloads, subnormals, extremes."""
+    ibits = {
+        torch.float32: [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000,
+                        0x7F800001, 0x7FC12345, 0xFFFFFFFF, 1, 0x80000001, 0x007FFFFF,
+                        0x807FFFFF, 0x00800000, 0x80800000, 0x7F7FFFFF, 0xFF7FFFFF,
+                        0x3F800000, 0xBF800000, 0x00012345, 0x80054321, 0x01000000],
+        torch.float64: [0, 1 << 63, 0x7FF0 << 48, 0xFFF0 << 48, 0x7FF8 << 48,
+                        0xFFF8 << 48, (0x7FF0 << 48) | 1, (0x7FF8 << 48) | 0x1234,
+                        (1 << 64) - 1, 1, (1 << 63) | 1, (1 << 52) - 1, 1 << 52,
+                        0x7FEFFFFFFFFFFFFF, 0x3FF0 << 48, 0xBFF0 << 48],
+        torch.float16: [0, 0x8000, 0x7C00, 0xFC00, 0x7E00, 0xFE00, 0x7C01, 0x7E55,
+                        0xFFFF, 1, 0x8001, 0x03FF, 0x83FF, 0x0400, 0x8400, 0x7BFF,
+                        0xFBFF, 0x3C00, 0xBC00, 0x0123],
+        torch.bfloat16: [0, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0xFFC0, 0x7F81, 0x7FD5,
+                         0xFFFF, 1, 0x8001, 0x007F, 0x807F, 0x0080, 0x8080, 0x7F7F,
+                         0xFF7F, 0x3F80, 0xBF80, 0x0123],
+    }[dtype]
+    itype = INT_VIEW[dtype]
+    width = torch.iinfo(itype).bits
+    signed = [b - (1 << width) if b >= 1 << (width - 1) else b for b in ibits]
+    return torch.tensor(signed, dtype=itype).view(dtype)
+
+
+def make_input(n: int, dtype: torch.dtype, device="cuda", seed: int = 0) -> torch.Tensor:
+    """Test data of n elements: half normal values of mixed scales, a quarter
+    random bit patterns (every class of float, subnormals and NaNs included),
+    a quarter special values; never all zeros."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(n, generator=g, dtype=torch.float64)
+    x = x * torch.pow(10.0, torch.randint(-8, 9, (n,), generator=g).double())
+    x = x.to(dtype)
+    itype = INT_VIEW[dtype]
+    info = torch.iinfo(itype)
+    rand_bits = torch.randint(info.min, info.max, (n,), generator=g, dtype=torch.int64).to(itype)
+    which = torch.randint(0, 4, (n,), generator=g)
+    xb = x.view(itype)
+    xb = torch.where(which == 1, rand_bits, xb)
+    sv = special_values(dtype).view(itype)
+    pick = sv[torch.randint(0, sv.numel(), (n,), generator=g)]
+    xb = torch.where(which == 2, pick, xb)
+    return xb.view(dtype).to(device)

@@ -1,0 +1,107 @@
+"""Argument checking that needs no GPU: refused inputs, scalars, mask sizes."""
+
+import subprocess
+import sys
+
+import numpy
+import pytest
+
+pytest.importorskip("cupy")
+
+import cupy_act  # noqa: E402
+from cupy_act import _scalars  # noqa: E402
+from cupy_act._kernels import all_kernel_names  # noqa: E402
+
+
+class FakeDeviceArray:
+    """Exports a __cuda_array_interface__ with a chosen typestr (never dereferenced)."""
+
+    def __init__(self, typestr, shape=(4,)):
+        self.__cuda_array_interface__ = {
+            "shape": shape, "typestr": typestr, "data": (0, False), "version": 3}
+
+
+ALL_FORWARD = [
+    lambda x: cupy_act.relu(x),
+    lambda x: cupy_act.leaky_relu(x, 0.1),
+    lambda x: cupy_act.div_leaky_relu(x, 2.0),
+    lambda x: cupy_act.relu_with_mask(x),
+    lambda x: cupy_act.leaky_relu_with_mask(x),
+    lambda x: cupy_act.div_leaky_relu_with_mask(x, 3),
+]
+
+
+@pytest.mark.parametrize("call", ALL_FORWARD)
+def test_host_numpy_array_refused_with_hint(call):
+    with pytest.raises(TypeError, match=r"host numpy\.ndarray.*cupy\.asarray"):
+        call(numpy.ones(3, numpy.float32))
+
+
+def test_cpu_torch_tensor_refused_with_hint():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"x \(Tensor\) is in host memory.*tensor\.cuda\(\)"):
+        cupy_act.relu(torch.ones(3))
+    with pytest.raises(TypeError, match=r"dy \(Tensor\) is in host memory"):
+        cupy_act.relu_backward(torch.ones(3), None)
+
+
+@pytest.mark.parametrize("bad", [[1.0, 2.0], None, "x", 3.0])
+def test_non_arrays_refused(bad):
+    with pytest.raises(TypeError, match="must be a CuPy array"):
+        cupy_act.relu(bad)
+
+
+@pytest.mark.parametrize("typestr,name", [
+    ("<i4", "int32"), ("|b1", "bool"), ("<c8", "complex64"), ("|u1", "uint8"),
+    ("<i8", "int64"), ("<c16", "complex128")])
+def test_unsupported_dtypes_named(typestr, name):
+    with pytest.raises(TypeError, match=f"x has dtype {name}; supported: float32"):
+        cupy_act.leaky_relu(FakeDeviceArray(typestr))
+
+
+@pytest.mark.parametrize("divisor", [0, 0.0, -0.0, float("inf"), float("-inf"), float("nan")])
+def test_zero_or_non_finite_divisor(divisor):
+    with pytest.raises(ValueError, match=f"divisor must be a finite, non-zero number, got {divisor!r}"):
+        cupy_act.div_leaky_relu(FakeDeviceArray("<f4"), divisor)
+
+
+@pytest.mark.parametrize("value", ["2", None, True, 1 + 2j, [2.0]])
+def test_non_real_scalars(value):
+    with pytest.raises(TypeError, match="divisor must be a real number"):
+        cupy_act.div_leaky_relu(FakeDeviceArray("<f4"), value)
+    with pytest.raises(TypeError, match="negative_slope must be a real number"):
+        cupy_act.leaky_relu(FakeDeviceArray("<f4"), value)
+
+
+def test_scalars_round_as_pytorch_does():
+    f32 = numpy.float32
+    assert _scalars.reciprocal(3, False, "f") == float(f32(1) / f32(3))
+    assert _scalars.reciprocal(3, True, "f") == 1 / 3
+    assert _scalars.reciprocal(0.1, False, "f") == float(f32(1) / f32(0.1))
+    assert _scalars.to_op_type(0.01, False, "s", "f") == float(f32(0.01))
+    assert _scalars.to_op_type(2**60 + 1, False, "s", "f") == float(f32(2**60))
+    assert _scalars.to_op_type(1e-45, False, "s", "f") > 0  # subnormal kept
+    assert _scalars.to_op_type(float("nan"), False, "s", "f") != 0
+    with pytest.raises(ValueError, match="out of range for float32"):
+        _scalars.to_op_type(1e300, False, "negative_slope", "f")
+    assert _scalars.to_op_type(1e300, True, "s", "f") == 1e300
+    with pytest.raises(ValueError, match="rounds to 0"):
+        _scalars.reciprocal(1e-50, False, "f")
+    with pytest.raises(ValueError, match="does not fit in int64"):
+        _scalars.reciprocal(2**70, True, "f")
+
+
+@pytest.mark.parametrize("n,nbytes", [(0, 0), (1, 16), (128, 16), (129, 32), (2**31 + 1, 2**28 + 16)])
+def test_mask_nbytes(n, nbytes):
+    assert cupy_act.mask_nbytes(n) == nbytes
+    assert nbytes % 16 == 0 and (n + 7) // 8 <= nbytes < (n + 7) // 8 + 16
+
+
+def test_instantiation_table():
+    names = all_kernel_names()
+    assert len(names) == len(set(names)) == 3 * 4 * 3 + 4 * 2
+
+
+def test_import_does_not_import_torch():
+    code = "import sys, cupy_act; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
