@@ -50,8 +50,8 @@ struct LeakyRelu {
 };
 
 // div_leaky_relu = F.leaky_relu(x / divisor, slope) as two eager ops. ATen divides
-// by a Python number as t = x * (1 / divisor), the reciprocal taken on the host in
-// the op type (`scale` here), and stores t in T before leaky_relu reads it.
+// by a Python number as t = x * scale, with scale = 1 / divisor taken in double on
+// the host and rounded to the op type, and stores t in T before leaky_relu reads it.
 // Autograd then gives dx = leaky_relu_backward(dy, t) / divisor, that is
 // g * scale with g rounded to T first. The bit is t > 0, which can differ from
 // x > 0 (a product that underflows to 0, a negative divisor, a bias).

@@ -16,7 +16,7 @@ struct Params {
   long long inner;       // bias channel of element i is (i / inner) % channels
   long long channels;
   u64 slope;             // op-type bits of negative_slope (float: low 32 bits)
-  u64 scale;             // op-type bits of 1 / divisor, rounded as PyTorch does
+  u64 scale;             // op-type bits of 1 / divisor (taken in double, then rounded)
   u64 alpha;             // op-type bits of 1: the bias multiplier (see add_bias)
 };
 

@@ -1,10 +1,12 @@
 """Python-number arguments: validation and rounding to the kernel's op type.
 
-PyTorch hands a Python ``negative_slope`` or ``divisor`` to its kernels as
+PyTorch hands a Python ``negative_slope`` to its kernels as
 ``Scalar.to<opmath_t>()``: float for float16/bfloat16/float32, double for
 float64 (an int is converted directly from int64). ``x / divisor`` becomes
-``x * (1 / divisor)`` with the reciprocal taken on the host in that type. These
-helpers reproduce that rounding exactly.
+``x * inv`` with ``inv = 1 / divisor`` taken in double on the host and then
+rounded to the op type: measured on an H200 against torch 2.11, this matched
+for every divisor tried, while a float32 reciprocal of float32(divisor)
+differed for -1.7, 0.001 and 9.1. These helpers reproduce that rounding.
 """
 
 from __future__ import annotations
@@ -57,12 +59,10 @@ def to_op_type(value, double: bool, name: str, fname: str) -> float:
 
 
 def reciprocal(divisor, double: bool, fname: str) -> float:
-    """``1 / divisor`` in the op type, as ATen computes it for ``x / divisor``."""
+    """``1 / divisor`` in double, rounded to the op type, as ATen multiplies by it."""
     check_divisor(divisor, fname)
-    d = to_op_type(divisor, double, "divisor", fname)
-    if d == 0:
-        raise ValueError(f"{fname}: divisor={divisor!r} rounds to 0 in float32")
-    with numpy.errstate(all="ignore"):  # a subnormal divisor gives inf, as in ATen
-        if double:
-            return float(numpy.float64(1.0) / numpy.float64(d))
-        return float(numpy.float32(1.0) / numpy.float32(d))
+    inv = 1.0 / float(divisor)  # finite, non-zero divisor: no exception here
+    if double:
+        return inv
+    with numpy.errstate(over="ignore"):  # beyond float32's range: inf, as in ATen
+        return float(numpy.float32(inv))

@@ -1,0 +1,214 @@
+"""Tensor-level implementations behind the PyTorch adapter (no autograd here).
+
+CUDA tensors go to the generic kernel through the shared launcher with raw
+``data_ptr()`` values and torch's raw current-stream handle: no CuPy arrays, no
+stream objects, no host synchronisation; outputs and masks come from torch's
+caching allocator. CPU tensors use plain torch with the same semantics and the
+same packed 1-bit mask, so models run and train anywhere.
+
+Layout: a C-contiguous input is processed in C order; a channels-last (4-D) or
+channels-last-3d (5-D) input in memory order, so its output keeps that format
+and its mask follows memory order (``channels_last=True`` tells the backward);
+anything else is made contiguous first.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .. import _launch, _loader
+from .._arrays import mask_nbytes
+from .._kernels import kernel_name
+from .._scalars import reciprocal, to_op_type
+
+DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float64: "float64",
+}
+_CL_FORMAT = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+try:  # the raw handle, without building a torch.cuda.Stream object per call
+    _raw_stream = torch._C._cuda_getCurrentRawStream
+except AttributeError:  # pragma: no cover - older or CPU-only builds
+
+    def _raw_stream(index):
+        return torch.cuda.current_stream(index).cuda_stream
+
+
+def is_channels_last(x: torch.Tensor) -> bool:
+    """Dense channels-last (and not also C-contiguous): processed in memory order."""
+    fmt = _CL_FORMAT.get(x.dim())
+    return fmt is not None and not x.is_contiguous() and x.is_contiguous(memory_format=fmt)
+
+
+def arrange(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """x in the memory order the kernels walk: C order, or channels-last."""
+    if channels_last:
+        return x.contiguous(memory_format=_CL_FORMAT[x.dim()])
+    return x.contiguous()
+
+
+@functools.lru_cache(maxsize=256)
+def _op_scalars(op: str, double: bool, slope: float, divisor: float) -> tuple[float, float]:
+    """(slope, 1/divisor) rounded to the op type, as ATen rounds them."""
+    fname = f"cupy_act.torch.{op}"
+    s = to_op_type(slope, double, "negative_slope", fname) if op != "relu" else 0.0
+    scale = reciprocal(divisor, double, fname) if op == "div_leaky_relu" else 1.0
+    return s, scale
+
+
+_kernel_cache: dict = {}  # (device, op, dtype, kind, bias) -> Kernel
+
+
+def _kernel(dev, op, dtype, kind, has_bias):
+    key = (dev, op, dtype, kind, has_bias)
+    k = _kernel_cache.get(key)
+    if k is None:
+        k = _loader.kernels(dev)[kernel_name(op, DTYPE_NAMES[dtype], kind, has_bias)]
+        _kernel_cache[key] = k
+    return k
+
+
+def _launch_cuda(kind, op, x, y, mask, bias, slope, divisor, channels_last) -> None:
+    n = x.numel()
+    if n == 0:
+        return
+    dev = x.device.index
+    dtype = x.dtype
+    s, scale = _op_scalars(op, dtype == torch.float64, slope, divisor)
+    inner = channels = 1
+    bias_ptr = 0
+    if bias is not None:
+        channels = x.shape[1]
+        inner = 1 if channels_last else math.prod(x.shape[2:])
+        bias_ptr = bias.data_ptr()
+    kernel = _kernel(dev, op, dtype, kind, bias is not None)
+    args = (kernel, _raw_stream(dev), n, x.element_size(), x.data_ptr(), y.data_ptr(),
+            0 if mask is None else mask.data_ptr(), 0 if mask is None else mask.numel() // 4,
+            bias_ptr, inner, channels, s, scale)
+    if _get_device() == dev:
+        _launch.launch(*args)
+    else:  # the kernel handle belongs to dev's context
+        import cupy
+
+        with cupy.cuda.Device(dev):
+            _launch.launch(*args)
+
+
+def _get_device() -> int:
+    import cupy
+
+    global _get_device
+    _get_device = cupy.cuda.runtime.getDevice  # bind once
+    return _get_device()
+
+
+# ---- CPU reference path: plain torch, same semantics, same packed mask ----
+
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def _pre_cpu(op, x, divisor, bias):
+    if op != "div_leaky_relu":
+        return x
+    if bias is not None:
+        x = x + bias.view(1, -1, *([1] * (x.dim() - 2)))
+    return x / divisor
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Booleans (any shape, C order) -> the packed mask of mask_nbytes(n) bytes."""
+    flat = bits.reshape(-1).to(torch.uint8)
+    n = flat.numel()
+    padded = torch.zeros(mask_nbytes(n) * 8, dtype=torch.uint8, device=bits.device)
+    padded[:n] = flat
+    return (padded.view(-1, 8) * _BIT_WEIGHTS.to(bits.device)).sum(1, dtype=torch.uint8)
+
+
+def unpack_bits(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n bits of a packed mask, as booleans."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)
+    return ((mask.unsqueeze(1) >> shifts) & 1).reshape(-1)[:n].bool()
+
+
+def _forward_cpu(op, x, slope, divisor, bias):
+    t = _pre_cpu(op, x, divisor, bias)
+    y = torch.relu(t) if op == "relu" else F.leaky_relu(t, slope)
+    return y, t
+
+
+def _bits_cpu(op, t):
+    return ~(t <= 0) if op == "relu" else t > 0
+
+
+def _backward_cpu(op, dy, mask, slope, divisor):
+    # The same ATen kernels autograd uses, fed a stand-in for x whose sign is the bit.
+    sign = torch.empty_like(dy).copy_(unpack_bits(mask, dy.numel()).view(dy.shape))
+    if op == "relu":
+        return torch.ops.aten.threshold_backward(dy, sign, 0)
+    dx = torch.ops.aten.leaky_relu_backward(dy, sign, slope, False)
+    return dx / divisor if op == "div_leaky_relu" else dx
+
+
+# ---- the four entry points ----
+
+# On the CPU, PyTorch's own kernels treat NaN payloads differently in their
+# vectorized and strided loops, so they run on the tensors exactly as given and
+# only the results are copied (bits unchanged) into the agreed layout.
+
+def forward(x, op: str, slope: float, divisor: float, bias):
+    """y = op(x) without a mask (inference, or no gradient needed)."""
+    cl = is_channels_last(x)
+    if x.device.type != "cuda":
+        return arrange(_forward_cpu(op, x, slope, divisor, bias)[0], cl)
+    x = arrange(x, cl)
+    y = torch.empty_like(x)
+    _launch_cuda("forward", op, x, y, None, bias, slope, divisor, cl)
+    return y
+
+
+def forward_mask(x, op: str, slope: float, divisor: float, bias):
+    """(y, mask) in one pass."""
+    cl = is_channels_last(x)
+    if x.device.type != "cuda":
+        y, t = _forward_cpu(op, x, slope, divisor, bias)
+        return arrange(y, cl), pack_bits(_bits_cpu(op, t))
+    x = arrange(x, cl)
+    y = torch.empty_like(x)
+    mask = torch.empty(mask_nbytes(x.numel()), dtype=torch.uint8, device=x.device)
+    _launch_cuda("forward_mask", op, x, y, mask, bias, slope, divisor, cl)
+    return y, mask
+
+
+def forward_mask_(x, op: str, slope: float, divisor: float, bias, with_mask: bool = True):
+    """In place: x = op(x); returns the mask (or None without ``with_mask``)."""
+    if x.device.type != "cuda":
+        y, t = _forward_cpu(op, x, slope, divisor, bias)
+        mask = pack_bits(_bits_cpu(op, t)) if with_mask else None
+        x.copy_(y)
+        return mask
+    cl = is_channels_last(x)
+    work = x if x.is_contiguous() or cl else x.contiguous()
+    mask = (torch.empty(mask_nbytes(x.numel()), dtype=torch.uint8, device=x.device)
+            if with_mask else None)
+    _launch_cuda("forward_mask" if with_mask else "forward", op, work, work, mask, bias,
+                 slope, divisor, cl)
+    if work is not x:
+        x.copy_(work)
+    return mask
+
+
+def backward(dy, mask, op: str, slope: float, divisor: float, channels_last: bool):
+    """dx from dy and the mask; the layout flag says the mask's element order."""
+    if dy.device.type != "cuda":
+        return arrange(_backward_cpu(op, dy, mask, slope, divisor), channels_last)
+    dy = arrange(dy, channels_last)
+    dx = torch.empty_like(dy)
+    _launch_cuda("backward", op, dy, dx, mask, None, slope, divisor, channels_last)
+    return dx

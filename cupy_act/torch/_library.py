@@ -1,0 +1,114 @@
+"""``torch.library`` custom ops: what torch.compile, CUDA graphs and opcheck see.
+
+    cupy_act::forward(x, op, slope, divisor, bias) -> y
+    cupy_act::forward_mask(x, ...) -> (y, mask)         autograd: backward below
+    cupy_act::backward(dy, mask, op, slope, divisor, channels_last) -> dx
+                                                         autograd: itself (linear in dy)
+    cupy_act::forward_mask_(x!, ...) -> mask             in place (mutates x)
+
+Each has a fake (meta) implementation with the real one's shapes and strides.
+The in-place op cannot carry an autograd formula (torch.library refuses them on
+mutating ops); functional.py wraps it in an autograd.Function instead.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .._arrays import mask_nbytes
+from . import _impl
+
+Tensor = torch.Tensor
+
+
+def _like(x: Tensor) -> Tensor:
+    return torch.empty_like(_impl.arrange(x, _impl.is_channels_last(x)))
+
+
+def _mask_like(x: Tensor) -> Tensor:
+    return x.new_empty(mask_nbytes(x.numel()), dtype=torch.uint8)
+
+
+@torch.library.custom_op("cupy_act::forward", mutates_args=())
+def forward_op(x: Tensor, op: str, slope: float, divisor: float, bias: Optional[Tensor]) -> Tensor:
+    return _impl.forward(x, op, slope, divisor, bias)
+
+
+@forward_op.register_fake
+def _(x, op, slope, divisor, bias):
+    return _like(x)
+
+
+@torch.library.custom_op("cupy_act::forward_mask", mutates_args=())
+def forward_mask_op(
+    x: Tensor, op: str, slope: float, divisor: float, bias: Optional[Tensor]
+) -> tuple[Tensor, Tensor]:
+    return _impl.forward_mask(x, op, slope, divisor, bias)
+
+
+@forward_mask_op.register_fake
+def _(x, op, slope, divisor, bias):
+    return _like(x), _mask_like(x)
+
+
+@torch.library.custom_op("cupy_act::backward", mutates_args=())
+def backward_op(
+    dy: Tensor, mask: Tensor, op: str, slope: float, divisor: float, channels_last: bool
+) -> Tensor:
+    return _impl.backward(dy, mask, op, slope, divisor, channels_last)
+
+
+@backward_op.register_fake
+def _(dy, mask, op, slope, divisor, channels_last):
+    return torch.empty_like(_impl.arrange(dy, channels_last))
+
+
+@torch.library.custom_op("cupy_act::forward_mask_", mutates_args=("x",))
+def forward_mask_inplace_op(
+    x: Tensor, op: str, slope: float, divisor: float, bias: Optional[Tensor]
+) -> Tensor:
+    return _impl.forward_mask_(x, op, slope, divisor, bias)
+
+
+@forward_mask_inplace_op.register_fake
+def _(x, op, slope, divisor, bias):
+    return _mask_like(x)
+
+
+def bias_grad(dx: Tensor) -> Tensor:
+    """d loss / d bias: dx summed over every axis but the channel axis (1)."""
+    return dx.sum(dim=[d for d in range(dx.dim()) if d != 1])
+
+
+def _setup_forward_mask(ctx, inputs, output):
+    x, op, slope, divisor, bias = inputs
+    ctx.save_for_backward(output[1])
+    ctx.mark_non_differentiable(output[1])
+    ctx.args = (op, slope, divisor, _impl.is_channels_last(x))
+    ctx.bias = bias is not None
+
+
+def _backward_forward_mask(ctx, gy, gmask):
+    (mask,) = ctx.saved_tensors
+    op, slope, divisor, cl = ctx.args
+    dx = backward_op(gy, mask, op, slope, divisor, cl)
+    return dx, None, None, None, bias_grad(dx) if ctx.bias else None
+
+
+forward_mask_op.register_autograd(_backward_forward_mask, setup_context=_setup_forward_mask)
+
+
+def _setup_backward(ctx, inputs, output):
+    dy, mask, op, slope, divisor, cl = inputs
+    ctx.save_for_backward(mask)
+    ctx.args = (op, slope, divisor, cl)
+
+
+def _backward_backward(ctx, ggx):
+    (mask,) = ctx.saved_tensors
+    return backward_op(ggx, mask, *ctx.args), None, None, None, None, None
+
+
+backward_op.register_autograd(_backward_backward, setup_context=_setup_backward)

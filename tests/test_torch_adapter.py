@@ -1,0 +1,277 @@
+"""PyTorch adapter: results and gradients bit for bit, in place, saved memory,
+double backward, torch.compile, opcheck, modules; on CPU and (marked) CUDA."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.nn.functional as TF  # noqa: E402
+from torch import nn  # noqa: E402
+
+import cupy_act  # noqa: E402
+import cupy_act.torch as ct  # noqa: E402
+from cupy_act import testing  # noqa: E402
+from cupy_act.testing import assert_bits_equal  # noqa: E402
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DTYPE_IDS = [str(d)[6:] for d in testing.DTYPES]
+# (op, slope, divisor)
+CASES = [("relu", 0.01, None), ("leaky_relu", 0.01, None), ("leaky_relu", -0.5, None),
+         ("leaky_relu", 0.0, None), ("div_leaky_relu", 0.01, 2.0), ("div_leaky_relu", 0.3, -1.7)]
+CASE_IDS = [f"{op}-s{s}-d{d}" for op, s, d in CASES]
+
+
+def call(op, x, slope, divisor, **kw):
+    if op == "relu":
+        return ct.relu(x, **kw)
+    if op == "leaky_relu":
+        return ct.leaky_relu(x, slope, **kw)
+    return ct.div_leaky_relu(x, divisor, slope, **kw)
+
+
+def make(n, dtype, device, layout, seed=0):
+    if layout == "contiguous":
+        return testing.make_input(n, dtype, device, seed)
+    if layout == "misaligned":
+        return testing.make_input(n + 1, dtype, device, seed)[1:]
+    if layout == "strided":
+        return testing.make_input(2 * n, dtype, device, seed)[::2]
+    t = testing.make_input(2 * 3 * 5 * n, dtype, device, seed).view(2, 3, 5, n)
+    return t.contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", testing.DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("layout", ["contiguous", "misaligned", "strided", "channels_last"])
+@pytest.mark.parametrize("n", [0, 1, 33, 4097])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_forward_and_gradient_bit_exact(case, n, layout, dtype, device):
+    op, slope, divisor = case
+    x = make(n, dtype, device, layout)
+    dy = make(n, dtype, device, layout, seed=1)
+    rkw = dict(slope=slope, divisor=divisor)
+    expected_y = testing.forward(op, x, **rkw)
+    expected_dx = testing.backward(op, x, dy, **rkw)
+    with torch.no_grad():
+        assert_bits_equal(call(op, x, slope, divisor), expected_y, "no-grad forward")
+    # On the CPU, PyTorch's NaN payloads depend on the layout (vectorized or
+    # strided loops), and clone() makes a strided tensor contiguous: each
+    # expectation is computed on exactly the tensors the op receives.
+    xr = x.detach().clone().requires_grad_(True)
+    y = call(op, xr, slope, divisor)
+    assert_bits_equal(y, testing.forward(op, xr.detach(), **rkw), "forward")
+    (dx,) = torch.autograd.grad(y, xr, dy)
+    assert_bits_equal(dx, testing.backward(op, xr.detach(), dy, **rkw), "gradient")
+    # in place, under autograd, on a non-leaf
+    xr2 = x.detach().clone().requires_grad_(True)
+    h = xr2.clone()
+    v0 = h._version
+    out = call(op, h, slope, divisor, inplace=True)
+    assert out is h and h._version > v0
+    assert_bits_equal(out, testing.forward(op, xr2.detach(), **rkw), "in-place forward")
+    (dx2,) = torch.autograd.grad(out, xr2, dy)
+    assert_bits_equal(dx2, testing.backward(op, xr2.detach(), dy, **rkw), "in-place gradient")
+    if device == "cuda":  # on the GPU the layout changes nothing
+        assert_bits_equal(y, expected_y, "forward vs the original layout")
+        assert_bits_equal(dx, expected_dx, "gradient vs the original layout")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", testing.DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_bias_forward_and_gradients(channels_last, dtype, device):
+    x = testing.make_input(2 * 4 * 3 * 5, dtype, device, 3).view(2, 4, 3, 5)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    b = testing.make_input(4, dtype, device, 4)
+    dy = testing.make_input(x.numel(), dtype, device, 5).view(x.shape)
+    xr, br = x.clone().requires_grad_(True), b.clone().requires_grad_(True)
+    y = ct.div_leaky_relu(xr, 2.0, 0.1, bias=br)
+    assert_bits_equal(y, testing.forward("div_leaky_relu", x, 0.1, 2.0, b), "forward")
+    dx, db = torch.autograd.grad(y, (xr, br), dy)
+    # (the reference's x.clone() is contiguous; ours keeps channels-last, which on
+    # the CPU changes PyTorch's NaN payloads, so compare that layout on CUDA only)
+    if device == "cuda" or not channels_last:
+        assert_bits_equal(dx, testing.backward("div_leaky_relu", x, dy, 0.1, 2.0, b), "dx")
+    xe, be = x.clone().requires_grad_(True), b.clone().requires_grad_(True)
+    ye = TF.leaky_relu((xe + be.view(1, -1, 1, 1)) / 2.0, 0.1)
+    _, db_e = torch.autograd.grad(ye, (xe, be), dy)
+    finite = db_e.isfinite()
+    torch.testing.assert_close(db[finite], db_e[finite], rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", testing.DTYPES, ids=DTYPE_IDS)
+def test_saved_memory_is_the_mask_only(dtype, device):
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, t.numel()))
+        return t
+
+    x = torch.randn(3, 1000, 7, device=device, dtype=dtype, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = ct.relu(x)
+        y = ct.leaky_relu(y.clone(), 0.2)
+        y = ct.div_leaky_relu(y.clone(), 3.0, 0.1)
+    n = x.numel()
+    masks = [s for s in saved if s[0] == torch.uint8]
+    assert masks == [(torch.uint8, cupy_act.mask_nbytes(n))] * 3, saved
+    assert cupy_act.mask_nbytes(n) <= (n + 7) // 8 + 16
+    # nothing else: clone saves nothing
+    assert len(saved) == 3, saved
+    y.sum().backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_gradcheck_and_gradgradcheck_float64(case, device):
+    op, slope, divisor = case
+    g = torch.Generator().manual_seed(0)
+    x = (torch.rand(3, 4, 5, generator=g, dtype=torch.float64) + 0.1)
+    x = (x * torch.randint(0, 2, x.shape, generator=g) * 2 - x).to(device).requires_grad_(True)
+    fn = lambda t: call(op, t, slope, divisor)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x,))
+    assert torch.autograd.gradgradcheck(fn, (x,))
+    b = torch.randn(4, dtype=torch.float64, device=device, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t, c: ct.div_leaky_relu(t, 2.0, 0.1, bias=c), (x, b))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_in_place_rules(device):
+    leaf = torch.randn(10, device=device, requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        ct.leaky_relu(leaf, 0.1, inplace=True)
+    # PyTorch refuses in-place leaky_relu backward for negative slopes; cupy_act does not
+    a = torch.randn(10, device=device, requires_grad=True)
+    with pytest.raises(RuntimeError):
+        TF.leaky_relu(a * 1, -0.5, inplace=True).sum().backward()
+    h = a * 1
+    ct.leaky_relu(h, -0.5, inplace=True).sum().backward()
+    assert torch.equal(a.grad, torch.where(a > 0, 1.0, -0.5))
+    # a tensor another op saved, changed in place later: PyTorch's usual error
+    w = torch.randn(10, device=device, requires_grad=True)
+    h = a * 1
+    z = h * w  # saves h
+    ct.relu(h, inplace=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
+    # no-grad in place moves the version counter too
+    t = torch.randn(10, device=device)
+    v = t._version
+    with torch.no_grad():
+        ct.relu(t, inplace=True)
+    assert t._version > v
+
+
+def test_module_reprs_follow_torch():
+    assert repr(ct.ReLU()) == repr(nn.ReLU()) and repr(ct.ReLU(True)) == repr(nn.ReLU(True))
+    assert repr(ct.LeakyReLU(0.2, True)) == repr(nn.LeakyReLU(0.2, True))
+    assert repr(ct.LeakyReLU()) == repr(nn.LeakyReLU())
+    assert repr(ct.DivLeakyReLU(2.0)) == "DivLeakyReLU(divisor=2.0, negative_slope=0.01)"
+
+
+def test_bad_arguments():
+    x = torch.randn(4)
+    with pytest.raises(TypeError, match="input has dtype torch.int64"):
+        ct.relu(torch.ones(3, dtype=torch.long))
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        ct.relu([1.0])
+    with pytest.raises(ValueError, match="divisor must be a finite, non-zero number, got 0"):
+        ct.div_leaky_relu(x, 0)
+    with pytest.raises(TypeError, match="negative_slope must be a real number"):
+        ct.leaky_relu(x, "0.1")
+    with pytest.raises(ValueError, match=r"bias has shape \(3,\), expected"):
+        ct.div_leaky_relu(torch.randn(2, 4, 3), 2.0, bias=torch.randn(3))
+
+
+class EagerModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 16, 3)
+
+    def forward(self, x):
+        return TF.leaky_relu(self.conv(x) / 2, 0.01)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_conv_module_state_dict_round_trip(device):
+    torch.manual_seed(0)
+    eager = EagerModel().to(device)
+    ours = ct.ConvDivLeakyReLU(8, 16, 3, divisor=2).to(device)
+    assert set(ours.state_dict()) == set(eager.state_dict()) == {"conv.weight", "conv.bias"}
+    ours.load_state_dict(eager.state_dict())
+    eager2 = EagerModel().to(device)
+    eager2.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 8, 12, 12, device=device)
+    y_e, y_o = eager(x), ours(x)
+    if device == "cuda":  # eager's conv adds its bias in a separate pass there
+        assert_bits_equal(y_o, y_e, "ConvDivLeakyReLU forward")
+    else:
+        torch.testing.assert_close(y_o, y_e)
+    g = torch.randn_like(y_e)
+    ge = torch.autograd.grad(y_e, list(eager.parameters()), g)
+    go = torch.autograd.grad(y_o, list(ours.parameters()), g)
+    for a, b in zip(go, ge):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    cl = ct.ConvDivLeakyReLU(8, 16, 3, divisor=2, channels_last=True).to(device)
+    cl.load_state_dict(eager.state_dict())
+    torch.testing.assert_close(cl(x), y_e, rtol=1e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_fullgraph_trains_like_eager(device):
+    def run(compiled):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), ct.LeakyReLU(0.1), nn.Linear(32, 32),
+                              ct.DivLeakyReLU(2.0), nn.Linear(32, 32), ct.ReLU(),
+                              nn.Linear(32, 1)).to(device)
+        step_model = torch.compile(model, fullgraph=True) if compiled else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        data = torch.randn(5, 64, 16, generator=g).to(device)
+        losses = []
+        for batch in data:
+            loss = step_model(batch).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    torch._dynamo.reset()
+    eager_losses, eager_params = run(False)
+    comp_losses, comp_params = run(True)
+    torch.testing.assert_close(comp_losses, eager_losses, rtol=1e-5, atol=1e-6)
+    for a, b in zip(comp_params, eager_params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    from cupy_act.torch import _library as L
+
+    x = torch.randn(2, 3, 4, 5, device=device)  # finite: opcheck compares with NaN != NaN
+    b = torch.randn(3, device=device)
+    for op, s, d in CASES:
+        bias = b if op == "div_leaky_relu" else None
+        d = 1.0 if d is None else d
+        torch.library.opcheck(L.forward_op, (x, op, s, d, bias))
+        torch.library.opcheck(L.forward_mask_op, (x.clone().requires_grad_(True), op, s, d, bias))
+        mask = L.forward_mask_op(x, op, s, d, bias)[1]
+        torch.library.opcheck(L.backward_op, (x.clone().requires_grad_(True), mask, op, s, d, False))
+        torch.library.opcheck(L.forward_mask_inplace_op, (x.clone(), op, s, d, bias))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autocast_keeps_dtype_and_checkpoint_works(device):
+    from torch.utils.checkpoint import checkpoint
+
+    x = torch.randn(64, 64, device=device, requires_grad=True)
+    with torch.autocast(device_type=device, dtype=torch.bfloat16):
+        assert ct.leaky_relu(x, 0.1).dtype == torch.float32
+        assert ct.relu(x.bfloat16()).dtype == torch.bfloat16
+    f = lambda t: ct.div_leaky_relu(ct.leaky_relu(t * 2, 0.2), 3.0)  # noqa: E731
+    (g1,) = torch.autograd.grad(checkpoint(f, x, use_reentrant=False).sum(), x)
+    (g2,) = torch.autograd.grad(f(x).sum(), x)
+    assert torch.equal(g1, g2)
