@@ -6,32 +6,9 @@ masks, modules, custom ops) lives in ``cupy_act.torch``; importing ``cupy_act``
 alone never imports torch.
 """
 
-from ._arrays import mask_nbytes
-from .ops import (
-    div_leaky_relu,
-    div_leaky_relu_backward,
-    div_leaky_relu_with_mask,
-    leaky_relu,
-    leaky_relu_backward,
-    leaky_relu_with_mask,
-    relu,
-    relu_backward,
-    relu_with_mask,
-    unpack_mask,
-)
+from . import ops
+from .ops import *  # noqa: F401,F403  (the public array-level API, listed in ops.__all__)
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "relu",
-    "leaky_relu",
-    "div_leaky_relu",
-    "relu_with_mask",
-    "leaky_relu_with_mask",
-    "div_leaky_relu_with_mask",
-    "relu_backward",
-    "leaky_relu_backward",
-    "div_leaky_relu_backward",
-    "mask_nbytes",
-    "unpack_mask",
-]
+__all__ = list(ops.__all__)

@@ -72,13 +72,12 @@ def gpu_checks(size: int) -> int:
 
 def short_benchmark(n: int) -> None:
     """Median CUDA-event times against PyTorch and a device copy (float32)."""
-    import statistics
-
     import cupy
     import torch
     import torch.nn.functional as F
 
     import cupy_act
+    from . import testing
 
     x = torch.randn(n, device="cuda")
     dy = torch.randn(n, device="cuda")
@@ -87,17 +86,7 @@ def short_benchmark(n: int) -> None:
     mask = cupy.empty(cupy_act.mask_nbytes(n), dtype=cupy.uint8)
 
     def ms(fn):
-        for _ in range(3):
-            fn()
-        ts = []
-        for _ in range(10):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b))
-        return statistics.median(ts)
+        return testing.median_ms(fn, iters=10)
 
     copy = ms(lambda: y.copy_(x))
     rows = [

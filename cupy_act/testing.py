@@ -1,4 +1,4 @@
-"""The single PyTorch reference for every op, plus test-data helpers.
+"""The single PyTorch reference for every op, plus test-data and timing helpers.
 
 Shared by the test suite, the benchmarks and ``python -m cupy_act``. The
 reference is PyTorch eager itself: forward is the torch expression, the mask
@@ -7,6 +7,8 @@ forward expression. Needs torch; importing ``cupy_act`` never imports this.
 """
 
 from __future__ import annotations
+
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -111,3 +113,18 @@ def make_input(n: int, dtype: torch.dtype, device="cuda", seed: int = 0) -> torc
     pick = sv[torch.randint(0, sv.numel(), (n,), generator=g)]
     xb = torch.where(which == 2, pick, xb)
     return xb.view(dtype).to(device)
+
+
+def median_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median CUDA-event time of ``fn()`` in ms, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)

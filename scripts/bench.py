@@ -12,8 +12,6 @@ Inputs are random (never zeros); outputs are checked bit for bit once.
 from __future__ import annotations
 
 import argparse
-import statistics
-
 import cupy
 import torch
 import torch.nn.functional as F
@@ -21,19 +19,6 @@ import torch.nn.functional as F
 import cupy_act
 from cupy_act import testing
 
-
-def time_ms(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -59,7 +44,7 @@ def main() -> None:
     rows = []  # (name, ms, bytes, formula, reference name or None)
 
     def add(name, fn, nbytes, formula, ref=None):
-        rows.append((name, time_ms(fn, args.iters), nbytes, formula, ref))
+        rows.append((name, testing.median_ms(fn, args.iters), nbytes, formula, ref))
 
     two, two_mask, three = 2 * n * s, 2 * n * s + n // 8, 3 * n * s
     add("copy", lambda: y.copy_(x), two, "2Ns")

@@ -11,28 +11,15 @@ device ("resident") or one block per chunk of work ("full"), against the copy.
 from __future__ import annotations
 
 import itertools
-import statistics
 
 import cupy
 import torch
 
 import cupy_act
 from cupy_act import _loader
+from cupy_act.testing import median_ms
 from cupy_act._kernels import kernel_name
 
-
-def median_ms(fn, iters=15):
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
 
 
 def main():
@@ -58,7 +45,6 @@ def main():
                 print(f"  threads {threads:3d} unroll {unroll} streaming {streaming} "
                       f"waves {waves:7d} (resident {k.resident:5d}): fwd {copy / f:6.1%}  "
                       f"fwd+mask {copy / fm:6.1%}  bwd {copy / bw:6.1%}")
-        del x, y, cx, cy
 
 
 if __name__ == "__main__":
