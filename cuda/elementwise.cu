@@ -10,10 +10,13 @@
 // numpy.packbits(bits, bitorder="little"). The buffer holds ceil(n / 8) bytes
 // rounded up to a multiple of 16; every bit past n is written as 0.
 //
-// Work split: each warp walks a grid-stride loop over tiles of kUnroll * 32
-// 16-byte vectors; lane l of the warp holds elements [l*V, l*V + V) of each
-// vector (V = 16 / sizeof(T)), so loads and stores are coalesced 16-byte accesses
-// and a warp's vector covers exactly V whole mask words. What the tiles leave
+// Work split: each warp walks a grid-stride loop over tiles of kUnroll
+// warp-wide 16-byte vectors; lane l of the warp holds elements [l*V, l*V + V) of
+// each vector (V = 16 / sizeof(T)), so loads and stores are coalesced 16-byte
+// accesses and a warp's vector covers exactly V whole mask words. With a mask,
+// the G = 32 / V lanes that share a word OR their pieces together with
+// shuffles, and the tile's kUnroll * V words leave in one store instruction
+// (32 contiguous bytes for float32 with kUnroll = 2). What the tiles leave
 // (the tail, or everything when x or y is not 16-byte aligned) is done a
 // warp-sized group of 32 elements at a time, one element per lane, where a
 // ballot forms each mask word. Indices are 64-bit throughout.
@@ -39,15 +42,27 @@ enum Kind { FORWARD = 0, FORWARD_MASK = 1, BACKWARD = 2 };
 #ifndef CUPY_ACT_UNROLL_8
 #define CUPY_ACT_UNROLL_8 1  // ... 8-byte types
 #endif
+// ... for the FORWARD_MASK kind, every type (at most G = 32 / V)
+#ifndef CUPY_ACT_MASK_UNROLL_2
+#define CUPY_ACT_MASK_UNROLL_2 2
+#endif
+#ifndef CUPY_ACT_MASK_UNROLL_4
+#define CUPY_ACT_MASK_UNROLL_4 2
+#endif
+#ifndef CUPY_ACT_MASK_UNROLL_8
+#define CUPY_ACT_MASK_UNROLL_8 2
+#endif
 #ifndef CUPY_ACT_STREAMING
 #define CUPY_ACT_STREAMING 0
 #endif
 constexpr int kThreads = CUPY_ACT_THREADS;  // threads per block
 
-template <int Size>
+template <int Size, bool Mask>
 struct Unroll {
   static constexpr int value =
-      Size == 2 ? CUPY_ACT_UNROLL_2 : (Size == 4 ? CUPY_ACT_UNROLL_4 : CUPY_ACT_UNROLL_8);
+      Mask ? (Size == 2 ? CUPY_ACT_MASK_UNROLL_2
+                        : (Size == 4 ? CUPY_ACT_MASK_UNROLL_4 : CUPY_ACT_MASK_UNROLL_8))
+           : (Size == 2 ? CUPY_ACT_UNROLL_2 : (Size == 4 ? CUPY_ACT_UNROLL_4 : CUPY_ACT_UNROLL_8));
 };
 
 struct __align__(16) Raw16 { u32 w[4]; };
@@ -113,9 +128,10 @@ struct Channel {
 template <class Op, int K, bool HasBias>
 __global__ void __launch_bounds__(kThreads) act_kernel(const Params p) {
   typedef typename Op::T T;
-  constexpr int kUnroll = Unroll<sizeof(T)>::value;
+  constexpr int kUnroll = Unroll<sizeof(T), K == FORWARD_MASK>::value;
   constexpr int V = 16 / sizeof(T);             // elements per 16-byte vector
   constexpr int G = 32 / V;                     // lanes whose bits share a mask word
+  static_assert(K != FORWARD_MASK || kUnroll <= G, "a tile's mask words must fit one store");
   constexpr long long kStep = 32LL * V;         // elements per warp-wide vector
   constexpr long long kTile = kStep * kUnroll;  // elements per warp per trip
   const Op op(p);
@@ -145,6 +161,7 @@ __global__ void __launch_bounds__(kThreads) act_kernel(const Params p) {
     const long long base = t * kTile;
     Pack<T> v[kUnroll];
     u32 word[kUnroll];
+    u32 mine = 0;  // FORWARD_MASK: the word this lane stores (vector lane % G, word lane / G)
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {  // all loads first: kUnroll in flight
       v[u].raw = load16(x + base + u * kStep + lane * V);
@@ -176,10 +193,14 @@ __global__ void __launch_bounds__(kThreads) act_kernel(const Params p) {
         u32 w = bits << shift;
 #pragma unroll
         for (int off = 1; off < G; off <<= 1) w |= __shfl_xor_sync(0xffffffffu, w, off);
-        if (lane % G == 0) p.mask[(base + u * kStep) / 32 + lane / G] = w;
+        if (lane % G == u) mine = w;
       }
       if (HasBias) ch[u].jump(dr, dc, p.inner, p.channels);
     }
+    // Word (vector u, piece k) sits at base / 32 + u * V + k: the tile's words are
+    // contiguous, so this is one coalesced store of kUnroll * V words.
+    if (K == FORWARD_MASK && lane % G < kUnroll)
+      p.mask[base / 32 + (lane % G) * V + lane / G] = mine;
   }
 
   // Groups of 32 elements after the tiles; with a mask, on to the end of the

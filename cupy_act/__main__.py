@@ -135,7 +135,7 @@ def main(argv=None) -> int:
 
     if args.precompile:
         t0 = time.perf_counter()
-        _loader.kernels(cupy.cuda.runtime.getDevice())
+        _loader.load(cupy.cuda.runtime.getDevice())
         _say(f"cupy_act: compiled or loaded all kernels in {time.perf_counter() - t0:.2f} s")
     try:
         import torch  # noqa: F401

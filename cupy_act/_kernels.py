@@ -42,11 +42,16 @@ def kernel_name(op: str, dtype: str, kind: str, bias: bool = False) -> str:
     )
 
 
-def all_kernel_names() -> tuple[str, ...]:
-    """Every instantiation the library launches, in a fixed order."""
-    names = []
+def all_kernel_keys() -> tuple[tuple[str, str, str, bool], ...]:
+    """(op, dtype, kind, bias) of every instantiation the library launches, in a fixed order."""
+    keys = []
     for op, dtype, kind in itertools.product(OPS, DTYPES, KINDS):
-        names.append(kernel_name(op, dtype, kind))
+        keys.append((op, dtype, kind, False))
         if op in BIAS_OPS and kind != "backward":
-            names.append(kernel_name(op, dtype, kind, bias=True))
-    return tuple(names)
+            keys.append((op, dtype, kind, True))
+    return tuple(keys)
+
+
+def all_kernel_names() -> tuple[str, ...]:
+    """The name expressions of ``all_kernel_keys()``, in the same order."""
+    return tuple(kernel_name(*key) for key in all_kernel_keys())

@@ -3,9 +3,9 @@
 It packs the ``Params`` block of ``cuda/params.cuh`` into a per-thread buffer and
 calls ``cuLaunchKernel`` directly with raw device pointers and the raw stream
 handle, so a launch creates no CuPy arrays and no stream objects. The grid is
-one block per ``THREADS * UNROLL`` 16-byte vectors of work, capped at
-``GRID_WAVES`` times the blocks the device holds at once (SM count x
-occupancy); the kernel's grid-stride loop covers anything beyond.
+one block per ``kernel.per_block`` elements, capped at ``kernel.max_blocks``
+(a multiple of the blocks the device holds at once, see ``_loader``); the
+kernel's grid-stride loop covers anything beyond.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import ctypes
 import struct
 import threading
 
-from . import _loader
 from ._loader import Kernel
 
 # Params: x, y, mask, bias (pointers), n, mask_words, inner, channels, then the
@@ -47,7 +46,6 @@ def launch(
     kernel: Kernel,
     stream: int,
     n: int,
-    itemsize: int,
     x: int,
     y: int,
     mask: int = 0,
@@ -64,9 +62,8 @@ def launch(
     rounded to the op type (float for every dtype but float64). The caller
     makes the kernel's device current and skips empty inputs.
     """
-    per_block = _loader.THREADS * _loader.UNROLL[itemsize] * (16 // itemsize)
-    blocks = min(max(1, -(-n // per_block)), kernel.resident * _loader.GRID_WAVES, 2**31 - 1)
-    pack = _PARAMS_F64 if itemsize == 8 else _PARAMS_F32
+    blocks = min(-(-n // kernel.per_block), kernel.max_blocks)
+    pack = _PARAMS_F64 if kernel.wide else _PARAMS_F32
     s = _scratch
     pack.pack_into(s.buf, 0, x, y, mask, bias, n, mask_words, inner, channels, slope, scale, 1.0)
-    _launch_kernel(kernel.ptr, blocks, 1, 1, _loader.THREADS, 1, 1, 0, stream, s.argv_ptr, 0)
+    _launch_kernel(kernel.ptr, blocks, 1, 1, kernel.threads, 1, 1, 0, stream, s.argv_ptr, 0)

@@ -12,17 +12,21 @@ from __future__ import annotations
 import threading
 from typing import NamedTuple
 
-from ._kernels import all_kernel_names
+from ._kernels import ITEMSIZE, all_kernel_keys, all_kernel_names
 from ._source import assembled_source
 
 # Launch shape (see cuda/elementwise.cu), measured with scripts/tune.py on an
 # H200 at 4096 x 393216: 128-thread blocks; one 16-byte vector per thread for
-# 4- and 8-byte types, two for 16-bit types; plain (not evict-first) accesses;
-# and one block per chunk of work. Capping the grid at 8 or 64 waves of
-# resident blocks with a grid-stride loop ran 5-8% slower, so the cap is set
-# far out, where it only bounds the grid of enormous inputs.
+# 4- and 8-byte types, two for 16-bit types; with a mask, two for every type
+# (float32: 1.028-1.036x the copy time, against 1.039-1.051x with one and
+# 1.042-1.050x with eight, which stores whole 128-byte mask lines per warp);
+# plain (not evict-first) accesses; and one block per chunk of work. Capping
+# the grid at 8 or 64 waves of resident blocks with a grid-stride loop ran
+# 5-8% slower, so the cap is set far out, where it only bounds the grid of
+# enormous inputs.
 THREADS = 128  # threads per block (kThreads)
 UNROLL = {2: 2, 4: 1, 8: 1}  # itemsize -> 16-byte vectors per thread and trip
+MASK_UNROLL = {2: 2, 4: 2, 8: 2}  # the same for the forward_mask kind (at most 32 / V)
 STREAMING = 0  # evict-first loads and stores
 GRID_WAVES = 1024  # grid cap, in multiples of the blocks resident at once
 
@@ -34,6 +38,7 @@ def options() -> tuple[str, ...]:
         "--std=c++17",
         f"-DCUPY_ACT_THREADS={THREADS}",
         *(f"-DCUPY_ACT_UNROLL_{size}={u}" for size, u in sorted(UNROLL.items())),
+        *(f"-DCUPY_ACT_MASK_UNROLL_{size}={u}" for size, u in sorted(MASK_UNROLL.items())),
         f"-DCUPY_ACT_STREAMING={STREAMING}",
     )
 
@@ -42,16 +47,20 @@ CUPY_ADDED_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
 
 
 class Kernel(NamedTuple):
-    """A launchable instantiation on one device."""
+    """A launchable instantiation on one device, with its launch shape."""
 
     ptr: int  # CUfunction handle
-    resident: int  # blocks resident on the whole device at once (SMs x occupancy)
+    threads: int  # threads per block
+    per_block: int  # elements one block covers per trip of its loop
+    max_blocks: int  # grid cap: GRID_WAVES x the blocks resident at once
+    wide: bool  # float64: scalars are passed as doubles
     function: object  # the cupy Function, which keeps its module loaded
 
 
 _lock = threading.Lock()
 _module = None
-_tables: dict[int, dict[str, Kernel]] = {}
+_cache: dict[tuple, Kernel] = {}  # (device, op, dtype, kind, bias) -> Kernel
+_loaded: set[int] = set()
 
 
 def _raw_module():
@@ -67,38 +76,55 @@ def _raw_module():
     return _module
 
 
-def kernels(device_id: int) -> dict[str, Kernel]:
-    """Name expression -> Kernel for ``device_id``, compiling on first use."""
-    table = _tables.get(device_id)
-    if table is None:
-        with _lock:
-            table = _tables.get(device_id)
-            if table is None:
-                table = _build_table(device_id)
-                _tables[device_id] = table
-    return table
+def kernel(device_id: int, op: str, dtype: str, kind: str, bias: bool = False) -> Kernel:
+    """The instantiation for (op, dtype name, kind, bias) on ``device_id``.
+
+    The first call on a device compiles (or loads from CuPy's disk cache) the
+    module and resolves every kernel; later calls are one dict lookup.
+    """
+    k = _cache.get((device_id, op, dtype, kind, bias))
+    if k is None:
+        load(device_id)
+        k = _cache[(device_id, op, dtype, kind, bias)]
+    return k
+
+
+def load(device_id: int) -> None:
+    """Compile or load every kernel for ``device_id`` now (idempotent)."""
+    if device_id in _loaded:
+        return
+    with _lock:
+        if device_id not in _loaded:
+            _cache.update(_build(device_id))
+            _loaded.add(device_id)
 
 
 def reset() -> None:
-    """Forget compiled modules (after changing THREADS/UNROLL/STREAMING)."""
+    """Forget compiled modules (after changing the launch-shape settings above)."""
     global _module
     with _lock:
         _module = None
-        _tables.clear()
+        _cache.clear()
+        _loaded.clear()
 
 
-def _build_table(device_id: int) -> dict[str, Kernel]:
+def _build(device_id: int) -> dict[tuple, Kernel]:
     import cupy
     from cupy.cuda import driver
 
     module = _raw_module()
+    table = {}
     with cupy.cuda.Device(device_id) as device:
         sms = device.attributes["MultiProcessorCount"]
-        table = {}
-        for name in all_kernel_names():
+        for key, name in zip(all_kernel_keys(), all_kernel_names()):
+            _, dtype, kind, _ = key
+            size = ITEMSIZE[dtype]
+            unroll = (MASK_UNROLL if kind == "forward_mask" else UNROLL)[size]
             fn = module.get_function(name).kernel  # the cupy.cuda.Function
             per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, THREADS, 0)
-            table[name] = Kernel(fn.ptr, max(1, per_sm) * sms, fn)
+            cap = min(max(1, per_sm) * sms * GRID_WAVES, 2**31 - 1)
+            table[(device_id, *key)] = Kernel(fn.ptr, THREADS, THREADS * unroll * (16 // size), cap,
+                                              size == 8, fn)
     return table
 
 

@@ -14,7 +14,6 @@ import numpy
 
 from . import _launch, _loader
 from ._arrays import as_device_array, check_like, check_mask, mask_nbytes, on_device, overlaps
-from ._kernels import kernel_name
 from ._scalars import check_divisor, check_real, reciprocal, to_op_type
 
 __all__ = [
@@ -77,12 +76,10 @@ def _run(fname, op, kind, src, *, out=None, mask=None, slope=0.0, divisor=None, 
         )
         y = out if direct else cupy.empty(x.shape, dtype=x.dtype)
         if n:
-            kernel = _loader.kernels(dev)[kernel_name(op, str(x.dtype), kind, bias is not None)]
             _launch.launch(
-                kernel,
+                _loader.kernel(dev, op, str(x.dtype), kind, bias is not None),
                 cupy.cuda.get_current_stream().ptr,
                 n,
-                x.itemsize,
                 x.data.ptr,
                 y.data.ptr,
                 mask=0 if mask is None else mask.data.ptr,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session: full test suite, a reduced suite under compute-sanitizer,
 # the benchmark and the call-overhead table. Logs go to $OUT; a summary is last.
-# Usage (GPU machine, repository root): bash scripts/device_run.sh
+# Usage (GPU machine, repository root): [TUNE=1] bash scripts/device_run.sh
 set -u
 OUT=${OUT:-/tmp/cupy_act_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -16,8 +16,12 @@ timeout 150 compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pyt
 echo "sanitizer rc=$?" >> "$OUT/sanitizer.log"
 timeout 60 python3 scripts/bench.py > "$OUT/bench.log" 2>&1
 timeout 60 python3 scripts/overhead.py > "$OUT/overhead.log" 2>&1
+if [ "${TUNE:-0}" = 1 ]; then  # launch-shape sweep (development)
+  timeout 240 python3 scripts/tune.py --what mask > "$OUT/tune.log" 2>&1
+fi
 
 echo "== summary"; cat "$OUT/gpu.txt"
 tail -n 3 "$OUT/pytest.log"; grep -E "^FAILED|^ERROR" "$OUT/pytest.log" | head -20
 grep -E "ERROR SUMMARY|passed|failed|rc=" "$OUT/sanitizer.log" | tail -n 4
-tail -n 17 "$OUT/bench.log"; tail -n 8 "$OUT/overhead.log"
+tail -n 17 "$OUT/bench.log"; tail -n 9 "$OUT/overhead.log"
+[ -f "$OUT/tune.log" ] && cat "$OUT/tune.log"

@@ -138,6 +138,20 @@ def test_gradcheck_and_gradgradcheck_float64(case, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_signed_zero_slopes_are_told_apart(device):
+    # 0.0 == -0.0, so a cache keyed on the slope's value would hand one the
+    # other's rounded scalar; x * 0.0 and x * -0.0 differ in sign.
+    x = testing.make_input(300, torch.float32, device)
+    dy = testing.make_input(300, torch.float32, device, seed=1)
+    for slope in (0.0, -0.0, 0.0, -0.0):
+        with torch.no_grad():
+            assert_bits_equal(ct.leaky_relu(x, slope), TF.leaky_relu(x, slope), f"slope {slope}")
+        xr = x.clone().requires_grad_(True)
+        (dx,) = torch.autograd.grad(ct.leaky_relu(xr, slope), xr, dy)
+        assert_bits_equal(dx, testing.backward("leaky_relu", x, dy, slope=slope), f"{slope}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_in_place_rules(device):
     leaf = torch.randn(10, device=device, requires_grad=True)
     with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):

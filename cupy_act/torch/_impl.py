@@ -14,7 +14,6 @@ anything else is made contiguous first.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -22,7 +21,6 @@ import torch.nn.functional as F
 
 from .. import _launch, _loader
 from .._arrays import mask_nbytes
-from .._kernels import kernel_name
 from .._scalars import reciprocal, to_op_type
 
 DTYPE_NAMES = {
@@ -54,43 +52,43 @@ def arrange(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
     return x.contiguous()
 
 
-@functools.lru_cache(maxsize=256)
-def _op_scalars(op: str, double: bool, slope: float, divisor: float) -> tuple[float, float]:
-    """(slope, 1/divisor) rounded to the op type, as ATen rounds them."""
-    fname = f"cupy_act.torch.{op}"
-    s = to_op_type(slope, double, "negative_slope", fname) if op != "relu" else 0.0
-    scale = reciprocal(divisor, double, fname) if op == "div_leaky_relu" else 1.0
-    return s, scale
+_plans: dict = {}  # (device, op, dtype, kind, bias, slope, divisor) -> (Kernel, slope, scale)
 
 
-_kernel_cache: dict = {}  # (device, op, dtype, kind, bias) -> Kernel
+def _plan(dev, op, dtype, kind, has_bias, slope, divisor):
+    """The kernel and the op-type scalars for one call, as ATen rounds them.
 
-
-def _kernel(dev, op, dtype, kind, has_bias):
-    key = (dev, op, dtype, kind, has_bias)
-    k = _kernel_cache.get(key)
-    if k is None:
-        k = _loader.kernels(dev)[kernel_name(op, DTYPE_NAMES[dtype], kind, has_bias)]
-        _kernel_cache[key] = k
-    return k
+    Cached, except for a zero slope: 0.0 and -0.0 are equal dict keys but give
+    different results (x * -0.0 vs x * 0.0), so those are recomputed per call.
+    """
+    key = (dev, op, dtype, kind, has_bias, slope, divisor)
+    plan = _plans.get(key)
+    if plan is None:
+        fname, double = f"cupy_act.torch.{op}", dtype is torch.float64
+        s = to_op_type(slope, double, "negative_slope", fname) if op != "relu" else 0.0
+        scale = reciprocal(divisor, double, fname) if op == "div_leaky_relu" else 1.0
+        plan = (_loader.kernel(dev, op, DTYPE_NAMES[dtype], kind, has_bias), s, scale)
+        if slope or op == "relu":
+            if len(_plans) >= 4096:  # bound the cache against endless distinct scalars
+                _plans.clear()
+            _plans[key] = plan
+    return plan
 
 
 def _launch_cuda(kind, op, x, y, mask, bias, slope, divisor, channels_last) -> None:
     n = x.numel()
     if n == 0:
         return
-    dev = x.device.index
-    dtype = x.dtype
-    s, scale = _op_scalars(op, dtype == torch.float64, slope, divisor)
+    dev = x.get_device()
+    kernel, s, scale = _plan(dev, op, x.dtype, kind, bias is not None, slope, divisor)
     inner = channels = 1
     bias_ptr = 0
     if bias is not None:
         channels = x.shape[1]
         inner = 1 if channels_last else math.prod(x.shape[2:])
         bias_ptr = bias.data_ptr()
-    kernel = _kernel(dev, op, dtype, kind, bias is not None)
-    args = (kernel, _raw_stream(dev), n, x.element_size(), x.data_ptr(), y.data_ptr(),
-            0 if mask is None else mask.data_ptr(), 0 if mask is None else mask.numel() // 4,
+    args = (kernel, _raw_stream(dev), n, x.data_ptr(), y.data_ptr(),
+            0 if mask is None else mask.data_ptr(), 0 if mask is None else mask.numel() >> 2,
             bias_ptr, inner, channels, s, scale)
     if _get_device() == dev:
         _launch.launch(*args)
@@ -162,12 +160,23 @@ def _backward_cpu(op, dy, mask, slope, divisor):
 # vectorized and strided loops, so they run on the tensors exactly as given and
 # only the results are copied (bits unchanged) into the agreed layout.
 
+def _layout(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(x in the memory order the kernels walk, whether that is channels-last)."""
+    if x.is_contiguous():
+        return x, False
+    cl = is_channels_last(x)
+    return arrange(x, cl), cl
+
+
+def _new_mask(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(mask_nbytes(x.numel()), dtype=torch.uint8)
+
+
 def forward(x, op: str, slope: float, divisor: float, bias):
     """y = op(x) without a mask (inference, or no gradient needed)."""
-    cl = is_channels_last(x)
-    if x.device.type != "cuda":
-        return arrange(_forward_cpu(op, x, slope, divisor, bias)[0], cl)
-    x = arrange(x, cl)
+    if not x.is_cuda:
+        return arrange(_forward_cpu(op, x, slope, divisor, bias)[0], is_channels_last(x))
+    x, cl = _layout(x)
     y = torch.empty_like(x)
     _launch_cuda("forward", op, x, y, None, bias, slope, divisor, cl)
     return y
@@ -175,28 +184,31 @@ def forward(x, op: str, slope: float, divisor: float, bias):
 
 def forward_mask(x, op: str, slope: float, divisor: float, bias):
     """(y, mask) in one pass."""
-    cl = is_channels_last(x)
-    if x.device.type != "cuda":
+    return forward_mask_layout(x, op, slope, divisor, bias)[:2]
+
+
+def forward_mask_layout(x, op: str, slope: float, divisor: float, bias):
+    """(y, mask, channels_last): also says which element order the mask follows."""
+    if not x.is_cuda:
+        cl = is_channels_last(x)
         y, t = _forward_cpu(op, x, slope, divisor, bias)
-        return arrange(y, cl), pack_bits(_bits_cpu(op, t))
-    x = arrange(x, cl)
+        return arrange(y, cl), pack_bits(_bits_cpu(op, t)), cl
+    x, cl = _layout(x)
     y = torch.empty_like(x)
-    mask = torch.empty(mask_nbytes(x.numel()), dtype=torch.uint8, device=x.device)
+    mask = _new_mask(x)
     _launch_cuda("forward_mask", op, x, y, mask, bias, slope, divisor, cl)
-    return y, mask
+    return y, mask, cl
 
 
 def forward_mask_(x, op: str, slope: float, divisor: float, bias, with_mask: bool = True):
     """In place: x = op(x); returns the mask (or None without ``with_mask``)."""
-    if x.device.type != "cuda":
+    if not x.is_cuda:
         y, t = _forward_cpu(op, x, slope, divisor, bias)
         mask = pack_bits(_bits_cpu(op, t)) if with_mask else None
         x.copy_(y)
         return mask
-    cl = is_channels_last(x)
-    work = x if x.is_contiguous() or cl else x.contiguous()
-    mask = (torch.empty(mask_nbytes(x.numel()), dtype=torch.uint8, device=x.device)
-            if with_mask else None)
+    work, cl = _layout(x)
+    mask = _new_mask(x) if with_mask else None
     _launch_cuda("forward_mask" if with_mask else "forward", op, work, work, mask, bias,
                  slope, divisor, cl)
     if work is not x:
@@ -206,9 +218,10 @@ def forward_mask_(x, op: str, slope: float, divisor: float, bias, with_mask: boo
 
 def backward(dy, mask, op: str, slope: float, divisor: float, channels_last: bool):
     """dx from dy and the mask; the layout flag says the mask's element order."""
-    if dy.device.type != "cuda":
+    if not dy.is_cuda:
         return arrange(_backward_cpu(op, dy, mask, slope, divisor), channels_last)
-    dy = arrange(dy, channels_last)
+    if not (dy.is_contiguous() and not channels_last):
+        dy = arrange(dy, channels_last)
     dx = torch.empty_like(dy)
     _launch_cuda("backward", op, dy, dx, mask, None, slope, divisor, channels_last)
     return dx

@@ -9,6 +9,7 @@ opaque nodes with fake implementations and registered autograd formulas.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -49,9 +50,9 @@ class _Act(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, bias, op, slope, divisor):
-        y, mask = _impl.forward_mask(x, op, slope, divisor, bias)
+        y, mask, cl = _impl.forward_mask_layout(x, op, slope, divisor, bias)
         ctx.save_for_backward(mask)
-        ctx.args = (op, slope, divisor, _impl.is_channels_last(x))
+        ctx.args = (op, slope, divisor, cl)
         return y
 
     @staticmethod
@@ -85,7 +86,7 @@ def _check(fname: str, x, divisor, slope, bias) -> None:
         raise TypeError(f"{fname}: input has dtype {x.dtype}; supported: {SUPPORTED}")
     if type(slope) is not float:
         check_real(slope, "negative_slope", fname)
-    if divisor is not None:
+    if divisor is not None and not (type(divisor) is float and divisor and math.isfinite(divisor)):
         check_divisor(divisor, fname)
     if bias is not None:
         if not isinstance(bias, Tensor):
@@ -101,6 +102,21 @@ def _check(fname: str, x, divisor, slope, bias) -> None:
             )
 
 
+# Function.apply's Python wrapper binds arguments and unwraps dead functorch
+# wrappers on every call (about 2 us); outside functorch transforms the C++
+# apply it ends in is called directly, after the same unwrapping of x and bias.
+_are_functorch_transforms_active = torch._C._are_functorch_transforms_active
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_act_apply = super(torch.autograd.Function, _Act).apply
+
+
+def _act(x, bias, op, slope, divisor):
+    if _are_functorch_transforms_active():
+        return _Act.apply(x, bias, op, slope, divisor)
+    return _act_apply(_unwrap_if_dead(x), None if bias is None else _unwrap_if_dead(bias),
+                      op, slope, divisor)
+
+
 def _apply(fname, op, x, slope, divisor, bias, inplace):
     _check(fname, x, divisor if op == "div_leaky_relu" else None, slope, bias)
     slope, divisor = float(slope), float(divisor)
@@ -109,21 +125,22 @@ def _apply(fname, op, x, slope, divisor, bias, inplace):
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or (bias is not None and bias.requires_grad)
     )
+    compiling = torch.compiler.is_compiling()
     if inplace:
         if needs_grad:
             return _ActInplace.apply(x, bias, op, slope, divisor)
-        if torch.compiler.is_compiling():
+        if compiling:
             _library.forward_mask_inplace_op(x, op, slope, divisor, bias)
         else:
             _impl.forward_mask_(x, op, slope, divisor, bias, with_mask=False)
             torch.autograd.graph.increment_version(x)
         return x
-    if torch.compiler.is_compiling():
+    if compiling:
         if needs_grad:
             return _library.forward_mask_op(x, op, slope, divisor, bias)[0]
         return _library.forward_op(x, op, slope, divisor, bias)
     if needs_grad:
-        return _Act.apply(x, bias, op, slope, divisor)
+        return _act(x, bias, op, slope, divisor)
     return _impl.forward(x, op, slope, divisor, bias)
 
 
