@@ -33,36 +33,20 @@ enum Kind { FORWARD = 0, FORWARD_MASK = 1, BACKWARD = 2 };
 #ifndef CUPY_ACT_THREADS
 #define CUPY_ACT_THREADS 128
 #endif
-#ifndef CUPY_ACT_UNROLL_2
-#define CUPY_ACT_UNROLL_2 2  // 16-byte vectors per thread per trip, 2-byte types
-#endif
-#ifndef CUPY_ACT_UNROLL_4
-#define CUPY_ACT_UNROLL_4 1  // ... 4-byte types
-#endif
-#ifndef CUPY_ACT_UNROLL_8
-#define CUPY_ACT_UNROLL_8 1  // ... 8-byte types
-#endif
-// ... for the FORWARD_MASK kind, every type (at most G = 32 / V)
-#ifndef CUPY_ACT_MASK_UNROLL_2
-#define CUPY_ACT_MASK_UNROLL_2 2
-#endif
-#ifndef CUPY_ACT_MASK_UNROLL_4
-#define CUPY_ACT_MASK_UNROLL_4 2
-#endif
-#ifndef CUPY_ACT_MASK_UNROLL_8
-#define CUPY_ACT_MASK_UNROLL_8 2
+// 16-byte vectors per thread and trip, [kind][item size 2, 4, 8]; with a mask,
+// at most G = 32 / V, so that a tile's mask words fit one warp-wide store.
+#ifndef CUPY_ACT_UNROLL_TABLE
+#define CUPY_ACT_UNROLL_TABLE {{2, 1, 1}, {2, 2, 2}, {2, 1, 1}}
 #endif
 #ifndef CUPY_ACT_STREAMING
 #define CUPY_ACT_STREAMING 0
 #endif
 constexpr int kThreads = CUPY_ACT_THREADS;  // threads per block
+constexpr int kUnrollTable[3][3] = CUPY_ACT_UNROLL_TABLE;
 
-template <int Size, bool Mask>
+template <int Size, int K>
 struct Unroll {
-  static constexpr int value =
-      Mask ? (Size == 2 ? CUPY_ACT_MASK_UNROLL_2
-                        : (Size == 4 ? CUPY_ACT_MASK_UNROLL_4 : CUPY_ACT_MASK_UNROLL_8))
-           : (Size == 2 ? CUPY_ACT_UNROLL_2 : (Size == 4 ? CUPY_ACT_UNROLL_4 : CUPY_ACT_UNROLL_8));
+  static constexpr int value = kUnrollTable[K][Size == 2 ? 0 : (Size == 4 ? 1 : 2)];
 };
 
 struct __align__(16) Raw16 { u32 w[4]; };
@@ -94,14 +78,33 @@ union Pack {
   T e[16 / sizeof(T)];
 };
 
+// Division by a run-time constant d >= 1 through its double reciprocal (passed
+// in, computed on the host): for 0 <= a < 2^45, a * (1/d) in double is within
+// 2^-7 of a / d, so the truncated quotient is off by at most one and one
+// correction makes it exact. About ten instructions, against some forty for a
+// 32-bit and a hundred for a 64-bit integer division.
+struct FastDiv {
+  long long d;
+  double inv;
+  __device__ __forceinline__ long long quot(long long a) const {
+    if (a >> 45) return a / d;  // beyond the bound (never for real tensors)
+    long long q = (long long)((double)a * inv);
+    const long long r = a - q * d;
+    if (r < 0) --q;
+    else if (r >= d) ++q;
+    return q;
+  }
+  __device__ __forceinline__ long long rem(long long a) const { return a - quot(a) * d; }
+};
+
 // Tracks the bias channel of an index i without dividing per element:
 // r = i % inner and c = (i / inner) % channels.
 struct Channel {
   long long r, c;
-  __device__ __forceinline__ void seek(long long i, long long inner, long long channels) {
-    const long long q = i / inner;
-    r = i - q * inner;
-    c = q % channels;
+  __device__ __forceinline__ void seek(long long i, const FastDiv& inner, const FastDiv& channels) {
+    const long long q = inner.quot(i);
+    r = i - q * inner.d;
+    c = channels.rem(q);
   }
   // i += 1
   __device__ __forceinline__ void next(long long inner, long long channels) {
@@ -125,10 +128,38 @@ struct Channel {
   }
 };
 
+// How the V biases of one aligned vector (first index i, i % V == 0) are found:
+//   kSharedChannel  inner % V == 0: all V elements are in channel c (NCHW)
+//   kChannelRun     inner == 1, channels % V == 0: channels c .. c + V - 1, one
+//                   16-byte load (channels-last)
+//   kPerElement     otherwise: the cursor steps element by element
+enum BiasMode { kSharedChannel, kChannelRun, kPerElement };
+
+template <typename T>
+__device__ __forceinline__ Pack<T> vector_bias(const T* bias, Channel c, int mode, long long inner,
+                                               long long channels) {
+  constexpr int V = 16 / sizeof(T);
+  Pack<T> b;
+  if (mode == kChannelRun) {
+    b.raw = load16(bias + c.c);
+  } else if (mode == kSharedChannel) {
+    const T v = bias[c.c];
+#pragma unroll
+    for (int j = 0; j < V; ++j) b.e[j] = v;
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      b.e[j] = bias[c.c];
+      c.next(inner, channels);
+    }
+  }
+  return b;
+}
+
 template <class Op, int K, bool HasBias>
 __global__ void __launch_bounds__(kThreads) act_kernel(const Params p) {
   typedef typename Op::T T;
-  constexpr int kUnroll = Unroll<sizeof(T), K == FORWARD_MASK>::value;
+  constexpr int kUnroll = Unroll<sizeof(T), K>::value;
   constexpr int V = 16 / sizeof(T);             // elements per 16-byte vector
   constexpr int G = 32 / V;                     // lanes whose bits share a mask word
   static_assert(K != FORWARD_MASK || kUnroll <= G, "a tile's mask words must fit one store");
@@ -148,13 +179,20 @@ __global__ void __launch_bounds__(kThreads) act_kernel(const Params p) {
 
   Channel ch[kUnroll];
   long long dr = 0, dc = 0;
+  int bias_mode = kPerElement;
+  const FastDiv inner{p.inner, p.inv_inner}, channels{p.channels, p.inv_channels};
   if (HasBias && warp < tiles) {
-    const long long stride = nwarps * kTile;
-    dr = stride % p.inner;
-    dc = (stride / p.inner) % p.channels;
+    if (warp + nwarps < tiles) {  // this warp takes more than one trip
+      const long long stride = nwarps * kTile;
+      dr = stride % p.inner;
+      dc = (stride / p.inner) % p.channels;
+    }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      ch[u].seek(warp * kTile + u * kStep + lane * V, p.inner, p.channels);
+    for (int u = 0; u < kUnroll; ++u) ch[u].seek(warp * kTile + u * kStep + lane * V, inner, channels);
+    if (p.inner % V == 0)
+      bias_mode = kSharedChannel;
+    else if (p.inner == 1 && p.channels % V == 0 && ((u64)bias & 15) == 0)
+      bias_mode = kChannelRun;
   }
 
   for (long long t = warp; t < tiles; t += nwarps) {
@@ -171,18 +209,15 @@ __global__ void __launch_bounds__(kThreads) act_kernel(const Params p) {
     for (int u = 0; u < kUnroll; ++u) {
       const int shift = V * (lane % G);  // this lane's bits within its word
       u32 bits = K == BACKWARD ? word[u] >> shift : 0u;
-      Pack<T> out;
-      Channel c = ch[u];
+      Pack<T> out, bv;
+      if (HasBias) bv = vector_bias(bias, ch[u], bias_mode, p.inner, p.channels);
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         if (K == BACKWARD) {
           out.e[j] = op.backward(v[u].e[j], (bits >> j) & 1u);
         } else {
           T xj = v[u].e[j];
-          if (HasBias) {
-            xj = add_bias(xj, bias[c.c], alpha);
-            c.next(p.inner, p.channels);
-          }
+          if (HasBias) xj = add_bias(xj, bv.e[j], alpha);
           bool b;
           out.e[j] = op.forward(xj, b);
           bits |= (u32)b << j;
@@ -217,7 +252,7 @@ __global__ void __launch_bounds__(kThreads) act_kernel(const Params p) {
       bool b = false;
       if (active) {
         T xi = x[i];
-        if (HasBias) xi = add_bias(xi, bias[(i / p.inner) % p.channels], alpha);
+        if (HasBias) xi = add_bias(xi, bias[channels.rem(inner.quot(i))], alpha);
         y[i] = op.forward(xi, b);
       }
       if (K == FORWARD_MASK) {

@@ -17,10 +17,11 @@ import threading
 from ._loader import Kernel
 
 # Params: x, y, mask, bias (pointers), n, mask_words, inner, channels, then the
-# slope, scale and alpha (= 1) bits: a float in the low 4 bytes, or a double.
-_PARAMS_F32 = struct.Struct("<QQQQqqqqf4xf4xf4x")
-_PARAMS_F64 = struct.Struct("<QQQQqqqqddd")
-assert _PARAMS_F32.size == _PARAMS_F64.size == 88
+# slope, scale and alpha (= 1) bits: a float in the low 4 bytes, or a double;
+# then 1 / inner and 1 / channels as doubles.
+_PARAMS_F32 = struct.Struct("<QQQQqqqqf4xf4xf4xdd")
+_PARAMS_F64 = struct.Struct("<QQQQqqqqddddd")
+assert _PARAMS_F32.size == _PARAMS_F64.size == 104
 
 
 class _Scratch(threading.local):
@@ -65,5 +66,6 @@ def launch(
     blocks = min(-(-n // kernel.per_block), kernel.max_blocks)
     pack = _PARAMS_F64 if kernel.wide else _PARAMS_F32
     s = _scratch
-    pack.pack_into(s.buf, 0, x, y, mask, bias, n, mask_words, inner, channels, slope, scale, 1.0)
+    pack.pack_into(s.buf, 0, x, y, mask, bias, n, mask_words, inner, channels, slope, scale, 1.0,
+                   1.0 / inner, 1.0 / channels)
     _launch_kernel(kernel.ptr, blocks, 1, 1, kernel.threads, 1, 1, 0, stream, s.argv_ptr, 0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from typing import NamedTuple
 
-from ._kernels import ITEMSIZE, all_kernel_keys, all_kernel_names
+from ._kernels import ITEMSIZE, KINDS, all_kernel_keys, all_kernel_names
 from ._source import assembled_source
 
 # Launch shape (see cuda/elementwise.cu), measured with scripts/tune.py on an
@@ -25,8 +25,12 @@ from ._source import assembled_source
 # 5-8% slower, so the cap is set far out, where it only bounds the grid of
 # enormous inputs.
 THREADS = 128  # threads per block (kThreads)
-UNROLL = {2: 2, 4: 1, 8: 1}  # itemsize -> 16-byte vectors per thread and trip
-MASK_UNROLL = {2: 2, 4: 2, 8: 2}  # the same for the forward_mask kind (at most 32 / V)
+# kind -> itemsize -> 16-byte vectors per thread and trip (forward_mask: at most 32 / V)
+UNROLL = {
+    "forward": {2: 2, 4: 1, 8: 1},
+    "forward_mask": {2: 2, 4: 2, 8: 2},
+    "backward": {2: 2, 4: 1, 8: 1},
+}
 STREAMING = 0  # evict-first loads and stores
 GRID_WAVES = 1024  # grid cap, in multiples of the blocks resident at once
 
@@ -37,10 +41,15 @@ def options() -> tuple[str, ...]:
     return (
         "--std=c++17",
         f"-DCUPY_ACT_THREADS={THREADS}",
-        *(f"-DCUPY_ACT_UNROLL_{size}={u}" for size, u in sorted(UNROLL.items())),
-        *(f"-DCUPY_ACT_MASK_UNROLL_{size}={u}" for size, u in sorted(MASK_UNROLL.items())),
+        f"-DCUPY_ACT_UNROLL_TABLE={_unroll_table()}",
         f"-DCUPY_ACT_STREAMING={STREAMING}",
     )
+
+
+def _unroll_table() -> str:
+    """UNROLL as the C initializer of kUnrollTable[kind][item size 2, 4, 8]."""
+    rows = [UNROLL[kind] for kind in sorted(KINDS, key=KINDS.get)]
+    return "{" + ",".join("{" + ",".join(str(r[s]) for s in (2, 4, 8)) + "}" for r in rows) + "}"
 
 
 CUPY_ADDED_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
@@ -119,7 +128,7 @@ def _build(device_id: int) -> dict[tuple, Kernel]:
         for key, name in zip(all_kernel_keys(), all_kernel_names()):
             _, dtype, kind, _ = key
             size = ITEMSIZE[dtype]
-            unroll = (MASK_UNROLL if kind == "forward_mask" else UNROLL)[size]
+            unroll = UNROLL[kind][size]
             fn = module.get_function(name).kernel  # the cupy.cuda.Function
             per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, THREADS, 0)
             cap = min(max(1, per_sm) * sms * GRID_WAVES, 2**31 - 1)

@@ -115,16 +115,22 @@ def make_input(n: int, dtype: torch.dtype, device="cuda", seed: int = 0) -> torc
     return xb.view(dtype).to(device)
 
 
-def median_ms(fn, iters: int = 20, warmup: int = 3) -> float:
-    """Median CUDA-event time of ``fn()`` in ms, after ``warmup`` untimed calls."""
+def median_ms(fn, iters: int = 20, warmup: int = 3, reps: int = 1) -> float:
+    """Median CUDA-event time of ``fn()`` in ms, after ``warmup`` untimed calls.
+
+    With ``reps`` > 1 each timing covers that many back-to-back calls and is
+    divided by it: the time per call of a launch-bound (small) op, host cost
+    included, rather than the kernel alone.
+    """
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(reps):
+            fn()
         stop.record()
         stop.synchronize()
-        times.append(start.elapsed_time(stop))
+        times.append(start.elapsed_time(stop) / reps)
     return statistics.median(times)

@@ -1,87 +1,449 @@
-"""Benchmark cupy_act against PyTorch eager and a device copy, in one run.
+"""Benchmark suite: cupy_act against PyTorch eager, torch.compile and a device copy.
 
-    PYTHONPATH=. python scripts/bench.py [--shape 4096 393216] [--dtype float32]
+    PYTHONPATH=. python scripts/bench.py [--out bench_out] [--dtypes float32 ...]
+                                         [--max-log2 31] [--no-conv] [--no-compile]
 
-Every case is timed with CUDA events after warm-up; the median of --iters runs
-is reported with GB/s from the byte formula shown (each tensor read or written
-once; N elements of s bytes; the mask is N/8 bytes), % of the copy bandwidth
-measured in the same run, and the speed ratio against PyTorch's equivalent.
-Inputs are random (never zeros); outputs are checked bit for bit once.
+Everything is measured in one run, per dtype and size (1-D tensors of 2^16 to
+2^31 elements, stepping by 4x, and the 4096 x 393216 reference shape):
+  copy           y.copy_(x): the bandwidth roofline of this device
+  forward        eager (relu / leaky_relu / x / d then leaky_relu, two passes),
+                 torch.compile of the same expression (one fused pass), ours
+  forward+mask   ours: y and the 1-bit mask in one pass
+  backward       eager (aten threshold_backward / leaky_relu_backward, then / d),
+                 ours from dy and the mask
+  fwd+bwd        autograd forward and torch.autograd.grad, eager vs ours
+Times are medians of CUDA-event timings after warm-up; below 2^24 elements each
+timing covers several back-to-back calls (time per call, host cost included).
+GB/s come from the byte formula printed next to each case (N elements of s
+bytes, each tensor read or written once, the mask N/8 bytes); "%copy" is that
+bandwidth over the copy's in the same run. Ratios are speedups (their time over
+ours). Inputs are random normal numbers; our outputs are checked bit for bit
+against eager at every size. A ConvDivLeakyReLU section times the reference
+model (batch 128, 8 -> 64 channels, 3x3, 128x128, divisor 2). The targets of
+docs/benchmarks.md are evaluated last. Writes results.json, results.csv and
+bench.png under --out.
 """
 
 from __future__ import annotations
 
 import argparse
-import cupy
+import csv
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-import cupy_act
+import cupy_act.torch as ct
 from cupy_act import testing
+from cupy_act.torch import _impl
 
+SLOPE, DIVISOR = 0.01, 2.0
+OPS = ("relu", "leaky_relu", "div_leaky_relu")
+REF_SHAPE = (4096, 393216)
+DEVICE = "cuda"
+ATEN = torch.ops.aten
+
+
+def eager_forward(op):
+    return {
+        "relu": torch.relu,
+        "leaky_relu": lambda x: F.leaky_relu(x, SLOPE),
+        "div_leaky_relu": lambda x: F.leaky_relu(x / DIVISOR, SLOPE),
+    }[op]
+
+
+def ours_forward(op):
+    return {
+        "relu": ct.relu,
+        "leaky_relu": lambda x: ct.leaky_relu(x, SLOPE),
+        "div_leaky_relu": lambda x: ct.div_leaky_relu(x, DIVISOR, SLOPE),
+    }[op]
+
+
+def scalars(op):
+    """(slope, divisor) as the tensor-level implementation takes them."""
+    return {"relu": (0.0, 1.0), "leaky_relu": (SLOPE, 1.0), "div_leaky_relu": (SLOPE, DIVISOR)}[op]
+
+
+def eager_backward(op, x, dy):
+    if op == "relu":
+        return lambda: ATEN.threshold_backward(dy, x, 0)
+    if op == "leaky_relu":
+        return lambda: ATEN.leaky_relu_backward(dy, x, SLOPE, False)
+    t = x / DIVISOR
+    return lambda: ATEN.leaky_relu_backward(dy, t, SLOPE, False) / DIVISOR
+
+
+# Bytes moved, as (multiple of N*s, multiple of N/8).
+BYTES = {
+    ("copy", "copy"): (2, 0),
+    ("forward", "eager"): (2, 0),
+    ("forward", "eager div"): (4, 0),  # x / d written, then read again
+    ("forward", "compile"): (2, 0),
+    ("forward", "cupy_act"): (2, 0),
+    ("forward+mask", "cupy_act"): (2, 1),
+    ("backward", "eager"): (3, 0),
+    ("backward", "eager div"): (5, 0),
+    ("backward", "cupy_act"): (2, 1),
+    ("fwd+bwd", "eager"): (5, 0),
+    ("fwd+bwd", "eager div"): (9, 0),
+    ("fwd+bwd", "cupy_act"): (4, 2),
+}
+
+
+def formula(k):
+    a, b = k
+    parts = ([f"{a}Ns"] if a else []) + ([f"{b}N/8" if b > 1 else "N/8"] if b else [])
+    return "+".join(parts)
+
+
+def saved_bytes_per_element(fn, dtype, n=4096) -> float:
+    """Bytes autograd saves for one call of fn, per element, measured with saved_tensors_hooks."""
+    x = torch.randn(n, device=DEVICE, dtype=dtype, requires_grad=True)
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x * 1)  # a non-leaf input, as in a network; `* 1` itself saves nothing
+    return total / n
+
+
+class EagerConvModel(nn.Module):
+    """The reference model: leaky_relu(conv2d(x) / divisor, 0.01)."""
+
+    def __init__(self, divisor=2.0):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 64, 3)
+        self.divisor = divisor
+
+    def forward(self, x):
+        return F.leaky_relu(self.conv(x) / self.divisor, 0.01)
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.rows = []
+        self.compiled = {}
+
+    def compiled_forward(self, op, static: bool):
+        key = (op, static)
+        if key not in self.compiled:
+            self.compiled[key] = torch.compile(eager_forward(op), dynamic=not static)
+        return self.compiled[key]
+
+    def add(self, dtype, label, n, s, op, case, impl, ms, saved=None):
+        a, b = BYTES[(case, impl)]
+        nbytes = a * n * s + b * n / 8
+        row = dict(dtype=str(dtype)[6:], size=label, n=n, op=op, case=case,
+                   impl=impl.replace(" div", ""), ms=ms, bytes=nbytes, formula=formula((a, b)),
+                   gbps=nbytes / ms / 1e6, saved_bytes_per_element=saved)
+        self.rows.append(row)
+        return row
+
+    def sizes(self):
+        for k in range(16, self.args.max_log2 + 1, 2):
+            yield f"2^{k}", (1 << k,)
+        if self.args.max_log2 >= 31:
+            yield "2^31", (1 << 31,)
+        yield "4096x393216", REF_SHAPE
+
+    def run_dtype(self, dtype):
+        s = dtype.itemsize
+        saved = {}
+        for op in OPS:
+            saved[(op, "eager")] = saved_bytes_per_element(eager_forward(op), dtype)
+            saved[(op, "cupy_act")] = saved_bytes_per_element(ours_forward(op), dtype)
+        seen = set()
+        for label, shape in self.sizes():
+            if label in seen:
+                continue
+            seen.add(label)
+            n = math.prod(shape)
+            free, _ = torch.cuda.mem_get_info()
+            if 7 * n * s > free:
+                print(f"  {str(dtype)[6:]} {label}: skipped, needs ~{7 * n * s / 2**30:.0f} GiB "
+                      f"(free {free / 2**30:.0f} GiB)", flush=True)
+                continue
+            t0 = time.perf_counter()
+            try:
+                self.run_size(dtype, label, shape, saved)
+                print(f"  {str(dtype)[6:]:9s} {label:12s} done in {time.perf_counter() - t0:5.1f} s",
+                      flush=True)
+            except torch.OutOfMemoryError:
+                print(f"  {str(dtype)[6:]} {label}: out of memory, skipped", flush=True)
+            torch.cuda.empty_cache()
+
+    def run_size(self, dtype, label, shape, saved):
+        n, s = math.prod(shape), dtype.itemsize
+        g = torch.Generator(device=DEVICE).manual_seed(n)
+        x = torch.randn(shape, device=DEVICE, dtype=dtype, generator=g)
+        dy = torch.randn(shape, device=DEVICE, dtype=dtype, generator=g)
+        reps = max(1, min(256, (1 << 24) // n))
+        iters = 10 if n >= 1 << 28 else (20 if reps == 1 else 40)  # host-bound sizes are noisier
+
+        def T(fn):
+            return testing.median_ms(fn, iters=iters, warmup=3, reps=reps)
+
+        y = torch.empty_like(x)
+        # Clocks and memory settle after a change of size: copy for 0.3 s first,
+        # then time the copy at the start and again at the end of this size and
+        # take the faster as the roofline (the harder one to beat).
+        t_end = time.perf_counter() + 0.3
+        while time.perf_counter() < t_end:
+            y.copy_(x)
+            torch.cuda.synchronize()
+        copy_first = T(lambda: y.copy_(x))
+        start = len(self.rows)
+        static = shape == REF_SHAPE
+        for op in OPS:
+            div = " div" if op == "div_leaky_relu" else ""
+            ef, of = eager_forward(op), ours_forward(op)
+            slope, divisor = scalars(op)
+            with torch.no_grad():
+                testing.assert_bits_equal(of(x), ef(x), f"{op} forward, {label}")
+                self.add(dtype, label, n, s, op, "forward", "eager" + div, T(lambda: ef(x)))
+                if not self.args.no_compile:
+                    cf = self.compiled_forward(op, static)
+                    self.add(dtype, label, n, s, op, "forward", "compile", T(lambda: cf(x)))
+                self.add(dtype, label, n, s, op, "forward", "cupy_act", T(lambda: of(x)))
+                self.add(dtype, label, n, s, op, "forward+mask", "cupy_act",
+                         T(lambda: _impl.forward_mask(x, op, slope, divisor, None)))
+                _, mask = _impl.forward_mask(x, op, slope, divisor, None)
+                eb = eager_backward(op, x, dy)
+                testing.assert_bits_equal(_impl.backward(dy, mask, op, slope, divisor, False), eb(),
+                                          f"{op} backward, {label}")
+                self.add(dtype, label, n, s, op, "backward", "eager" + div, T(eb))
+                self.add(dtype, label, n, s, op, "backward", "cupy_act",
+                         T(lambda: _impl.backward(dy, mask, op, slope, divisor, False)))
+            xg = x.detach().requires_grad_(True)
+            for impl, f in (("eager" + div, ef), ("cupy_act", of)):
+                ms = T(lambda: torch.autograd.grad(f(xg), xg, dy))
+                self.add(dtype, label, n, s, op, "fwd+bwd", impl, ms,
+                         saved=saved[(op, impl.replace(" div", ""))])
+        copy_last = T(lambda: y.copy_(x))
+        row = self.add(dtype, label, n, s, "-", "copy", "copy", min(copy_first, copy_last))
+        row.update(copy_first_ms=copy_first, copy_last_ms=copy_last)
+        self.rows.insert(start, self.rows.pop())
+        for r in self.rows[start:]:  # now that the roofline is known
+            r["pct_copy"] = 100 * (r["bytes"] / r["ms"]) / (2 * n * s / row["ms"])
+            r["x_copy_time"] = r["ms"] / row["ms"]
+
+    def run_conv(self):
+        torch.manual_seed(0)
+        eager = EagerConvModel().to(DEVICE)
+        x = torch.randn(128, 8, 128, 128, device=DEVICE)
+        models = {"eager": eager}
+        if not self.args.no_compile:
+            models["compile"] = torch.compile(eager)
+        for name, cl in (("cupy_act", False), ("cupy_act channels_last", True)):
+            m = ct.ConvDivLeakyReLU(8, 64, 3, 2.0, channels_last=cl).to(DEVICE)
+            m.load_state_dict(eager.state_dict())
+            models[name] = m
+        with torch.no_grad():
+            testing.assert_bits_equal(models["cupy_act"](x), eager(x), "ConvDivLeakyReLU")
+        out = []
+        for name, m in models.items():
+            with torch.no_grad():
+                fwd = testing.median_ms(lambda: m(x), iters=20, warmup=3)
+            gy = torch.randn_like(m(x))
+            fb = testing.median_ms(lambda: m(x).backward(gy), iters=20, warmup=3)
+            m.zero_grad(set_to_none=True)
+            out.append(dict(model=name, forward_ms=fwd, fwd_bwd_ms=fb))
+            print(f"  conv model {name:24s} forward {fwd:6.3f} ms  fwd+bwd {fb:6.3f} ms", flush=True)
+        # where the time goes: the convolution alone, without bias, in both layouts
+        w = eager.conv.weight.detach()
+        cl = torch.channels_last
+        x_cl, w_cl = x.contiguous(memory_format=cl), w.contiguous(memory_format=cl)
+        with torch.no_grad():
+            for name, fn in (("conv2d alone, no bias, NCHW", lambda: F.conv2d(x, w)),
+                             ("conv2d alone, no bias, channels_last", lambda: F.conv2d(x_cl, w_cl))):
+                fwd = testing.median_ms(fn, iters=20, warmup=3)
+                out.append(dict(model=name, forward_ms=fwd, fwd_bwd_ms=None))
+                print(f"  {name:35s} forward {fwd:6.3f} ms", flush=True)
+        return out
+
+
+def find(rows, **kw):
+    for r in rows:
+        if all(r.get(k) == v for k, v in kw.items()):
+            return r
+    return None
+
+
+def targets(rows, conv):
+    """(description, value, goal, passed) for every target at the reference shape."""
+    ref = "4096x393216"
+    res = []
+
+    def t(dtype, op, case, impl):
+        r = find(rows, dtype=dtype, size=ref, op=op, case=case, impl=impl)
+        return r["ms"] if r else None
+
+    def check(desc, value, goal, ok):
+        if value is not None:
+            res.append((desc, value, goal, ok(value)))
+
+    for dtype in ("float32", "bfloat16", "float16"):
+        for op in ("relu", "leaky_relu"):
+            e, o = t(dtype, op, "forward", "eager"), t(dtype, op, "forward", "cupy_act")
+            if e and o:
+                if dtype == "float16":
+                    check(f"{op} forward {dtype}: speed vs eager", e / o, ">= 1.08x", lambda v: v >= 1.08)
+                else:
+                    check(f"{op} forward {dtype}: speed vs eager", e / o, ">= 0.99x", lambda v: v >= 0.99)
+                    r = find(rows, dtype=dtype, size=ref, op=op, case="forward", impl="cupy_act")
+                    check(f"{op} forward {dtype}: % of copy bandwidth", r["pct_copy"], ">= 98%",
+                          lambda v: v >= 98)
+    for dtype in ("float32",):
+        o = t(dtype, "div_leaky_relu", "forward", "cupy_act")
+        e, c = t(dtype, "div_leaky_relu", "forward", "eager"), t(dtype, "div_leaky_relu", "forward", "compile")
+        if o:
+            check(f"div_leaky_relu forward {dtype}: speed vs eager (two passes)", e / o, ">= 1.95x",
+                  lambda v: v >= 1.95)
+            if c:
+                check(f"div_leaky_relu forward {dtype}: speed vs torch.compile", c / o, ">= 0.99x",
+                      lambda v: v >= 0.99)
+        for op in OPS:
+            r = find(rows, dtype=dtype, size=ref, op=op, case="forward+mask", impl="cupy_act")
+            if r:
+                check(f"{op} forward+mask {dtype}: time / copy time", r["x_copy_time"], "<= 1.03x",
+                      lambda v: v <= 1.03)
+            e, o = t(dtype, op, "backward", "eager"), t(dtype, op, "backward", "cupy_act")
+            if o:
+                check(f"{op} backward {dtype}: speed vs eager backward", e / o, ">= 1.43x",
+                      lambda v: v >= 1.43)
+            e, o = t(dtype, op, "fwd+bwd", "eager"), t(dtype, op, "fwd+bwd", "cupy_act")
+            if o:
+                check(f"{op} autograd fwd+bwd {dtype}: speed vs eager", e / o, ">= 1.2x",
+                      lambda v: v >= 1.2)
+                se = find(rows, dtype=dtype, size=ref, op=op, case="fwd+bwd", impl="eager")
+                so = find(rows, dtype=dtype, size=ref, op=op, case="fwd+bwd", impl="cupy_act")
+                check(f"{op} saved memory {dtype}: eager / ours",
+                      se["saved_bytes_per_element"] / so["saved_bytes_per_element"], ">= 32x",
+                      lambda v: v >= 32 * 0.999)
+        for label in ("2^16", "2^18", "2^20"):
+            for op in OPS:
+                e = find(rows, dtype=dtype, size=label, op=op, case="forward", impl="eager")
+                o = find(rows, dtype=dtype, size=label, op=op, case="forward", impl="cupy_act")
+                if e and o:
+                    check(f"{op} forward {dtype} {label}: time per call / eager", o["ms"] / e["ms"],
+                          "<= 1.3x", lambda v: v <= 1.3)
+    c = {r["model"]: r for r in conv}
+    if "eager" in c and "cupy_act" in c:
+        check("ConvDivLeakyReLU forward, bit-exact mode: speed vs eager",
+              c["eager"]["forward_ms"] / c["cupy_act"]["forward_ms"], ">= 1.6x", lambda v: v >= 1.6)
+    if "compile" in c and "cupy_act channels_last" in c:
+        for k, what in (("forward_ms", "forward"), ("fwd_bwd_ms", "fwd+bwd")):
+            check(f"ConvDivLeakyReLU {what}, channels_last: speed vs torch.compile",
+                  c["compile"][k] / c["cupy_act channels_last"][k], "> 1x", lambda v: v > 1.0)
+    return res
+
+
+def print_tables(rows):
+    by = {}
+    for r in rows:
+        by.setdefault((r["dtype"], r["size"]), []).append(r)
+    for (dtype, size), rs in by.items():
+        print(f"\n{dtype} {size} (N={rs[0]['n']})")
+        print(f"  {'op':15s} {'case':13s} {'impl':9s} {'bytes':>8s} {'ms':>9s} {'GB/s':>6s} "
+              f"{'%copy':>6s} {'vs eager':>9s} {'vs compile':>10s} {'saved B/el':>10s}")
+        for r in rs:
+            e = find(rs, op=r["op"], case=r["case"], impl="eager")
+            if r["case"] == "forward+mask":
+                e = find(rs, op=r["op"], case="forward", impl="eager")
+            c = find(rs, op=r["op"], case=r["case"], impl="compile")
+            vs_e = f"{e['ms'] / r['ms']:8.3f}x" if e and r["impl"] == "cupy_act" else ""
+            vs_c = f"{c['ms'] / r['ms']:9.3f}x" if c and r["impl"] == "cupy_act" else ""
+            saved = "" if r["saved_bytes_per_element"] is None else f"{r['saved_bytes_per_element']:.3f}"
+            print(f"  {r['op']:15s} {r['case']:13s} {r['impl']:9s} {r['formula']:>8s} {r['ms']:9.4f} "
+                  f"{r['gbps']:6.0f} {r.get('pct_copy', 0):5.1f}% {vs_e:>9s} {vs_c:>10s} {saved:>10s}")
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = sorted({r["dtype"] for r in rows}, key=["float32", "bfloat16", "float16", "float64"].index)
+    fig, axes = plt.subplots(len(dtypes), len(OPS), figsize=(15, 3.6 * len(dtypes)), squeeze=False)
+    series = [("copy", "copy", "k--"), ("forward", "eager", "C0-"), ("forward", "compile", "C1-"),
+              ("forward", "cupy_act", "C2-"), ("forward+mask", "cupy_act", "C3-"),
+              ("backward", "eager", "C0:"), ("backward", "cupy_act", "C2:")]
+    for i, dtype in enumerate(dtypes):
+        for j, op in enumerate(OPS):
+            ax = axes[i][j]
+            for case, impl, style in series:
+                pts = sorted((r["n"], r["gbps"]) for r in rows
+                             if r["dtype"] == dtype and r["case"] == case and r["impl"] == impl
+                             and r["op"] in (op, "-") and r["size"].startswith("2^"))
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style,
+                            label=f"{case} {impl}" if case != "copy" else "copy", marker=".")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{op} {dtype}")
+            ax.set_xlabel("elements")
+            ax.set_ylabel("GB/s (bytes moved / time)")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", type=int, nargs="+", default=[4096, 393216])
-    ap.add_argument("--dtype", default="float32", choices=[str(d)[6:] for d in testing.DTYPES])
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float16", "float64"])
+    ap.add_argument("--max-log2", type=int, default=31)
+    ap.add_argument("--no-conv", action="store_true")
+    ap.add_argument("--no-compile", action="store_true")
     args = ap.parse_args()
-    dtype = getattr(torch, args.dtype)
-    shape = tuple(args.shape)
-    n = torch.Size(shape).numel()
-    s = torch.tensor([], dtype=dtype).element_size()
-    slope, divisor = 0.01, 2.0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    # Each op's lambda is one code object compiled for several dtypes and both
+    # static and dynamic shapes; past dynamo's default limit of 8 it would
+    # silently run eager, so the limit is raised.
+    torch._dynamo.config.cache_size_limit = 64
+    torch._dynamo.config.accumulated_cache_size_limit = 512
+    import cupy
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(shape, device="cuda", dtype=dtype, generator=g)
-    dy = torch.randn(shape, device="cuda", dtype=dtype, generator=g)
-    y = torch.empty_like(x)
-    dx = torch.empty_like(x)
-    cx, cdy, cy, cdx = (cupy.from_dlpack(t) for t in (x, dy, y, dx))
-    mask = cupy.empty(cupy_act.mask_nbytes(n), dtype=cupy.uint8)
-
-    rows = []  # (name, ms, bytes, formula, reference name or None)
-
-    def add(name, fn, nbytes, formula, ref=None):
-        rows.append((name, testing.median_ms(fn, args.iters), nbytes, formula, ref))
-
-    two, two_mask, three = 2 * n * s, 2 * n * s + n // 8, 3 * n * s
-    add("copy", lambda: y.copy_(x), two, "2Ns")
-    add("torch relu", lambda: torch.relu(x), two, "2Ns")
-    add("torch leaky_relu", lambda: F.leaky_relu(x, slope), two, "2Ns")
-    add("torch x/d, leaky_relu", lambda: F.leaky_relu(x / divisor, slope), 4 * n * s, "4Ns")
-    add("torch leaky_relu_backward",
-        lambda: torch.ops.aten.leaky_relu_backward(dy, x, slope, False), three, "3Ns")
-    add("torch threshold_backward",
-        lambda: torch.ops.aten.threshold_backward(dy, x, 0), three, "3Ns")
-    for op, kw, ref_f, ref_b in [
-        ("relu", {}, "torch relu", "torch threshold_backward"),
-        ("leaky_relu", {"negative_slope": slope}, "torch leaky_relu", "torch leaky_relu_backward"),
-        ("div_leaky_relu", {"divisor": divisor, "negative_slope": slope},
-         "torch x/d, leaky_relu", "torch leaky_relu_backward"),
-    ]:
-        fwd, fwd_mask, bwd = (getattr(cupy_act, op + k) for k in ("", "_with_mask", "_backward"))
-        add(f"{op}", lambda: fwd(cx, **kw, out=cy), two, "2Ns", ref_f)
-        add(f"{op}_with_mask", lambda: fwd_mask(cx, **kw, out=cy, mask=mask), two_mask,
-            "2Ns+N/8", ref_f)
-        add(f"{op}_backward", lambda: bwd(cdy, mask, **kw, out=cdx), two_mask, "2Ns+N/8", ref_b)
-
-    # one correctness check on the benchmark data itself
-    fwd_mask_ok = cupy_act.leaky_relu_with_mask(cx, slope, out=cy, mask=mask)
-    testing.assert_bits_equal(y, F.leaky_relu(x, slope), "bench leaky_relu")
-    del fwd_mask_ok
-
-    copy_ms = rows[0][1]
-    copy_gbs = rows[0][2] / copy_ms / 1e6
-    by_name = {r[0]: r[1] for r in rows}
-    print(f"\n{torch.cuda.get_device_name()}  shape {shape} {args.dtype}  N={n}  "
-          f"median of {args.iters}  torch {torch.__version__}  cupy {cupy.__version__}")
-    print(f"{'case':28s} {'bytes':>8s} {'ms':>8s} {'GB/s':>7s} {'%copy':>6s} {'vs torch':>9s}")
-    for name, ms, nbytes, formula, ref in rows:
-        gbs = nbytes / ms / 1e6
-        vs = f"{by_name[ref] / ms:8.3f}x" if ref else ""
-        print(f"{name:28s} {formula:>8s} {ms:8.3f} {gbs:7.0f} {100 * gbs / copy_gbs:5.1f}% {vs:>9s}")
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cupy=cupy.__version__,
+                cuda=torch.version.cuda, python=platform.python_version(),
+                command=" ".join(["python"] + sys.argv))
+    print(f"{meta['gpu']}  torch {meta['torch']}  cupy {meta['cupy']}  CUDA {meta['cuda']}", flush=True)
+    bench = Bench(args)
+    t0 = time.perf_counter()
+    for name in args.dtypes:
+        bench.run_dtype(getattr(torch, name))
+    conv = [] if args.no_conv else bench.run_conv()
+    print_tables(bench.rows)
+    res = targets(bench.rows, conv)
+    print("\ntargets (4096 x 393216 unless a size is named)")
+    for desc, value, goal, ok in res:
+        print(f"  {'PASS' if ok else 'MISS'}  {desc}: {value:.3f} (goal {goal})")
+    print(f"\n{sum(ok for *_, ok in res)} of {len(res)} targets met; "
+          f"{time.perf_counter() - t0:.0f} s")
+    (out / "results.json").write_text(json.dumps(
+        dict(meta=meta, rows=bench.rows, conv=conv,
+             targets=[dict(target=d, value=v, goal=g, met=ok) for d, v, g, ok in res]), indent=1))
+    with open(out / "results.csv", "w", newline="") as f:
+        fields = list(dict.fromkeys(k for r in bench.rows for k in r))
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(bench.rows)
+    plot(bench.rows, out / "bench.png")
+    print(f"wrote {out}/results.json, results.csv, bench.png")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
 """Launch-shape sweep for the generic kernel (a development tool, not the benchmark).
 
-    PYTHONPATH=. python scripts/tune.py [--what mask|plain]
+    PYTHONPATH=. python scripts/tune.py [--kinds forward forward_mask backward]
+                                        [--unrolls 1 2 4] [--threads 128]
 
-Rebuilds the module for each setting and times leaky_relu at 4096 x 393216 in
-float32, bfloat16, float16 and float64 against a device copy of the same
-tensor, as a fraction of the copy's speed (bytes moved / time, over the copy's).
-"mask" sweeps the forward-with-mask kind's vectors per thread (MASK_UNROLL; at
-32 / V each warp stores whole 128-byte mask lines) and the block size; "plain"
-sweeps forward and backward's UNROLL and the grid cap (GRID_WAVES).
+For each block size and vectors-per-thread count (``_loader.UNROLL``) it rebuilds
+the module and times leaky_relu of each kind at 4096 x 393216 float32 (the
+same bytes in bfloat16, float16 and float64) against a device copy of the
+same tensor, measured in the same loop. Printed: time over the copy's time,
+and the floor for that ratio (bytes moved over the copy's bytes: 1 + 1/(16 s)
+for the kinds that move a mask).
 """
 
 from __future__ import annotations
@@ -25,64 +26,41 @@ from cupy_act.testing import median_ms
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def _setup(shape):
-    """Per dtype: (name, x, out, mask, copy ms) on the current device."""
-    for dtype in DTYPES:
-        rows = shape[0] * 4 // dtype.itemsize  # the same bytes as float32 in every dtype
-        x = torch.randn((rows, shape[1]), device="cuda", dtype=dtype)
-        y = torch.empty_like(x)
-        mask = cupy.empty(cupy_act.mask_nbytes(x.numel()), dtype=cupy.uint8)
-        copy = median_ms(lambda: y.copy_(x))
-        yield str(dtype)[6:], cupy.from_dlpack(x), cupy.from_dlpack(y), mask, copy
-
-
-def sweep_mask(shape) -> None:
-    for name, cx, cy, mask, copy in _setup(shape):
-        extra = 1 + 1 / 16 / cx.itemsize  # bytes with the mask (1/8 per element) over 2 x itemsize
-        print(f"{name}: copy {copy:.3f} ms; fwd+mask speed vs copy, counting the mask's bytes")
-        for threads, u in itertools.product((128, 256), (1, 2, 4, 8, 16)):
-            size = cx.itemsize
-            if u > 32 * size // 16:
-                continue
-            _loader.THREADS = threads
-            _loader.MASK_UNROLL = {**_DEFAULTS["MASK_UNROLL"], size: u}
-            _loader.reset()
-            fm = median_ms(lambda: cupy_act.leaky_relu_with_mask(cx, 0.01, out=cy, mask=mask))
-            print(f"  threads {threads:3d} mask_unroll {u:2d}: {fm:.3f} ms = "
-                  f"{copy * extra / fm:6.1%} of copy speed, {fm / copy:.3f}x copy time")
-    _restore()
-
-
-def sweep_plain(shape) -> None:
-    for name, cx, cy, mask, copy in _setup(shape):
-        cupy_act.leaky_relu_with_mask(cx, 0.01, mask=mask)
-        print(f"{name}: copy {copy:.3f} ms; speed vs copy")
-        for unroll, waves in itertools.product((1, 2, 4), (1024, 8)):
-            _loader.UNROLL = {**_DEFAULTS["UNROLL"], cx.itemsize: unroll}
-            _loader.GRID_WAVES = waves
-            _loader.reset()
-            f = median_ms(lambda: cupy_act.leaky_relu(cx, 0.01, out=cy))
-            bw = median_ms(lambda: cupy_act.leaky_relu_backward(cx, mask, 0.01, out=cy))
-            print(f"  unroll {unroll} waves {waves:5d}: fwd {copy / f:6.1%}  bwd {copy / bw:6.1%}")
-    _restore()
-
-
-_DEFAULTS = {k: getattr(_loader, k) for k in ("THREADS", "UNROLL", "MASK_UNROLL", "GRID_WAVES")}
-
-
-def _restore() -> None:
-    for k, v in _DEFAULTS.items():
-        setattr(_loader, k, v)
-    _loader.reset()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--what", choices=("mask", "plain"), default="mask")
+    ap.add_argument("--kinds", nargs="+", default=["forward", "forward_mask", "backward"])
+    ap.add_argument("--unrolls", nargs="+", type=int, default=[1, 2, 4])
+    ap.add_argument("--threads", nargs="+", type=int, default=[128])
     ap.add_argument("--rows", type=int, default=4096)
     args = ap.parse_args()
-    shape = (args.rows, 393216)
-    (sweep_mask if args.what == "mask" else sweep_plain)(shape)
+    defaults = (_loader.THREADS, {k: dict(v) for k, v in _loader.UNROLL.items()})
+    for dtype in DTYPES:
+        rows = args.rows * 4 // dtype.itemsize  # the same bytes as float32 in every dtype
+        x = torch.randn((rows, 393216), device="cuda", dtype=dtype)
+        y = torch.empty_like(x)
+        cx, cy = cupy.from_dlpack(x), cupy.from_dlpack(y)
+        mask = cupy.empty(cupy_act.mask_nbytes(x.numel()), dtype=cupy.uint8)
+        cupy_act.leaky_relu_with_mask(cx, 0.01, mask=mask)
+        run = {
+            "forward": lambda: cupy_act.leaky_relu(cx, 0.01, out=cy),
+            "forward_mask": lambda: cupy_act.leaky_relu_with_mask(cx, 0.01, out=cy, mask=mask),
+            "backward": lambda: cupy_act.leaky_relu_backward(cx, mask, 0.01, out=cy),
+        }
+        size = dtype.itemsize
+        print(f"{str(dtype)[6:]} ({tuple(x.shape)}): time / copy time")
+        for kind, threads, u in itertools.product(args.kinds, args.threads, args.unrolls):
+            if kind == "forward_mask" and u > 32 * size // 16:
+                continue
+            _loader.THREADS = threads
+            _loader.UNROLL = {k: dict(v) for k, v in defaults[1].items()}
+            _loader.UNROLL[kind][size] = u
+            _loader.reset()
+            ms, copy = median_ms(run[kind]), median_ms(lambda: y.copy_(x))
+            floor = 1 + (1 / (16 * size) if kind != "forward" else 0)
+            print(f"  {kind:12s} threads {threads:3d} unroll {u}: {ms:.3f} ms, "
+                  f"{ms / copy:.3f}x copy (floor {floor:.3f}x)", flush=True)
+    _loader.THREADS, _loader.UNROLL = defaults
+    _loader.reset()
 
 
 if __name__ == "__main__":

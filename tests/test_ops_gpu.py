@@ -135,9 +135,13 @@ def test_in_place_and_misaligned_out(case, dtype):
 
 
 @pytest.mark.parametrize("dtype", testing.DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("layout", ["nchw", "channels_last", "odd"])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last", "odd", "nchw_wide", "large"])
 def test_bias_bit_exact(layout, dtype):
-    shape = {"nchw": (2, 3, 5, 7), "channels_last": (4, 16, 9, 11), "odd": (3, 5, 1, 33)}[layout]
+    # nchw_wide: H*W a multiple of every vector width, so the vector path takes
+    # one bias per vector; the others step the channel element by element;
+    # large: indices up to 2^24 through the kernel's reciprocal division
+    shape = {"nchw": (2, 3, 5, 7), "channels_last": (4, 16, 9, 11), "odd": (3, 5, 1, 33),
+             "nchw_wide": (3, 5, 16, 24), "large": (2, 7, 1000, 1003)}[layout]
     xt = testing.make_input(torch.Size(shape).numel(), dtype, seed=6).view(shape)
     if layout == "channels_last":
         xt = xt.contiguous(memory_format=torch.channels_last)

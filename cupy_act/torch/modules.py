@@ -65,9 +65,10 @@ class ConvDivLeakyReLU(nn.Module):
     ``self.conv = nn.Conv2d(...)``: same parameters, same ``state_dict`` keys
     (``conv.weight``, ``conv.bias``), loadable either way.
 
-    The convolution runs in PyTorch without its bias; bias, division, LeakyReLU
-    and the mask follow in one fused pass. The default is bit-identical to the
-    eager model. ``channels_last=True`` runs the convolution in channels-last
+    On CUDA the convolution runs in PyTorch without its bias; bias, division,
+    LeakyReLU and the mask follow in one fused pass (PyTorch's CUDA convolution
+    adds its bias in a separate pass, so this is bit-identical to the eager
+    model). On the CPU, where the convolution adds the bias itself, it keeps it. ``channels_last=True`` runs the convolution in channels-last
     layout (where cuDNN may use TF32 tensor cores as
     ``torch.backends.cudnn.allow_tf32`` permits, as torch.compile's choice of
     layout does) and returns a channels-last output.
@@ -86,6 +87,11 @@ class ConvDivLeakyReLU(nn.Module):
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
             weight = weight.contiguous(memory_format=torch.channels_last)
+        if not x.is_cuda:
+            # CPU convolutions add their bias inside the kernel, with other
+            # rounding than a separate add: keep it there to stay bit-exact.
+            pre = self.conv._conv_forward(x, weight, self.conv.bias)
+            return F.div_leaky_relu(pre, self.divisor, self.negative_slope)
         pre = self.conv._conv_forward(x, weight, None)
         return F.div_leaky_relu(pre, self.divisor, self.negative_slope, bias=self.conv.bias)
 
