@@ -36,7 +36,7 @@ enum Kind { FORWARD = 0, FORWARD_MASK = 1, BACKWARD = 2 };
 // 16-byte vectors per thread and trip, [kind][item size 2, 4, 8]; with a mask,
 // at most G = 32 / V, so that a tile's mask words fit one warp-wide store.
 #ifndef CUPY_ACT_UNROLL_TABLE
-#define CUPY_ACT_UNROLL_TABLE {{2, 1, 1}, {2, 2, 2}, {2, 1, 1}}
+#define CUPY_ACT_UNROLL_TABLE {{1, 1, 1}, {2, 2, 2}, {1, 1, 1}}
 #endif
 #ifndef CUPY_ACT_STREAMING
 #define CUPY_ACT_STREAMING 0
@@ -78,79 +78,58 @@ union Pack {
   T e[16 / sizeof(T)];
 };
 
-// Division by a run-time constant d >= 1 through its double reciprocal (passed
-// in, computed on the host): for 0 <= a < 2^45, a * (1/d) in double is within
-// 2^-7 of a / d, so the truncated quotient is off by at most one and one
+// a / d for a run-time constant d >= 1, through its double reciprocal inv
+// (computed on the host): for 0 <= a < 2^45, a * inv in double is within 2^-7
+// of a / d, so the truncated quotient is off by at most one and one
 // correction makes it exact. About ten instructions, against some forty for a
 // 32-bit and a hundred for a 64-bit integer division.
-struct FastDiv {
-  long long d;
-  double inv;
-  __device__ __forceinline__ long long quot(long long a) const {
-    if (a >> 45) return a / d;  // beyond the bound (never for real tensors)
-    long long q = (long long)((double)a * inv);
-    const long long r = a - q * d;
-    if (r < 0) --q;
-    else if (r >= d) ++q;
-    return q;
-  }
-  __device__ __forceinline__ long long rem(long long a) const { return a - quot(a) * d; }
-};
+__device__ __forceinline__ long long quot(long long a, long long d, double inv) {
+  if (a >> 45) return a / d;  // beyond the bound (never for real tensors)
+  long long q = (long long)((double)a * inv);
+  const long long r = a - q * d;
+  if (r < 0) --q;
+  else if (r >= d) ++q;
+  return q;
+}
 
-// Tracks the bias channel of an index i without dividing per element:
-// r = i % inner and c = (i / inner) % channels.
-struct Channel {
-  long long r, c;
-  __device__ __forceinline__ void seek(long long i, const FastDiv& inner, const FastDiv& channels) {
-    const long long q = inner.quot(i);
-    r = i - q * inner.d;
-    c = channels.rem(q);
-  }
-  // i += 1
-  __device__ __forceinline__ void next(long long inner, long long channels) {
-    if (++r == inner) {
-      r = 0;
-      if (++c == channels) c = 0;
-    }
-  }
-  // i += stride, given dr = stride % inner and dc = (stride / inner) % channels.
-  // c + dc + carry <= 2 * channels - 1, so one subtraction wraps it.
-  __device__ __forceinline__ void jump(long long dr, long long dc, long long inner,
-                                       long long channels) {
-    r += dr;
-    long long carry = 0;
-    if (r >= inner) {
-      r -= inner;
-      carry = 1;
-    }
-    c += dc + carry;
-    if (c >= channels) c -= channels;
-  }
-};
+// The channel of element i: (i / inner) % channels.
+__device__ __forceinline__ long long channel_of(long long i, const Params& p) {
+  const long long q = quot(i, p.inner, p.inv_inner);
+  return q - quot(q, p.channels, p.inv_channels) * p.channels;
+}
 
 // How the V biases of one aligned vector (first index i, i % V == 0) are found:
 //   kSharedChannel  inner % V == 0: all V elements are in channel c (NCHW)
 //   kChannelRun     inner == 1, channels % V == 0: channels c .. c + V - 1, one
 //                   16-byte load (channels-last)
-//   kPerElement     otherwise: the cursor steps element by element
+//   kPerElement     otherwise: element by element from i's channel and offset
+// Everything is recomputed per vector from the kernel parameters (which live
+// in constant memory), so no per-thread cursor holds registers: with one
+// 16-byte vector per thread, staying at 32 registers keeps full occupancy.
 enum BiasMode { kSharedChannel, kChannelRun, kPerElement };
 
 template <typename T>
-__device__ __forceinline__ Pack<T> vector_bias(const T* bias, Channel c, int mode, long long inner,
-                                               long long channels) {
+__device__ __forceinline__ Pack<T> vector_bias(const T* bias, long long i, int mode,
+                                               const Params& p) {
   constexpr int V = 16 / sizeof(T);
   Pack<T> b;
   if (mode == kChannelRun) {
-    b.raw = load16(bias + c.c);
+    b.raw = load16(bias + (i - quot(i, p.channels, p.inv_channels) * p.channels));
   } else if (mode == kSharedChannel) {
-    const T v = bias[c.c];
+    const T v = bias[channel_of(i, p)];
 #pragma unroll
     for (int j = 0; j < V; ++j) b.e[j] = v;
   } else {
+    const long long q = quot(i, p.inner, p.inv_inner);
+    long long r = i - q * p.inner;
+    long long c = q - quot(q, p.channels, p.inv_channels) * p.channels;
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      b.e[j] = bias[c.c];
-      c.next(inner, channels);
+      b.e[j] = bias[c];
+      if (++r == p.inner) {
+        r = 0;
+        if (++c == p.channels) c = 0;
+      }
     }
   }
   return b;
@@ -177,18 +156,8 @@ __global__ void __launch_bounds__(kThreads) act_kernel(const Params p) {
   const bool aligned = (((u64)x | (u64)y) & 15) == 0;
   const long long tiles = aligned ? p.n / kTile : 0;
 
-  Channel ch[kUnroll];
-  long long dr = 0, dc = 0;
   int bias_mode = kPerElement;
-  const FastDiv inner{p.inner, p.inv_inner}, channels{p.channels, p.inv_channels};
-  if (HasBias && warp < tiles) {
-    if (warp + nwarps < tiles) {  // this warp takes more than one trip
-      const long long stride = nwarps * kTile;
-      dr = stride % p.inner;
-      dc = (stride / p.inner) % p.channels;
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) ch[u].seek(warp * kTile + u * kStep + lane * V, inner, channels);
+  if (HasBias) {
     if (p.inner % V == 0)
       bias_mode = kSharedChannel;
     else if (p.inner == 1 && p.channels % V == 0 && ((u64)bias & 15) == 0)
@@ -210,7 +179,7 @@ __global__ void __launch_bounds__(kThreads) act_kernel(const Params p) {
       const int shift = V * (lane % G);  // this lane's bits within its word
       u32 bits = K == BACKWARD ? word[u] >> shift : 0u;
       Pack<T> out, bv;
-      if (HasBias) bv = vector_bias(bias, ch[u], bias_mode, p.inner, p.channels);
+      if (HasBias) bv = vector_bias(bias, base + u * kStep + lane * V, bias_mode, p);
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         if (K == BACKWARD) {
@@ -230,7 +199,6 @@ __global__ void __launch_bounds__(kThreads) act_kernel(const Params p) {
         for (int off = 1; off < G; off <<= 1) w |= __shfl_xor_sync(0xffffffffu, w, off);
         if (lane % G == u) mine = w;
       }
-      if (HasBias) ch[u].jump(dr, dc, p.inner, p.channels);
     }
     // Word (vector u, piece k) sits at base / 32 + u * V + k: the tile's words are
     // contiguous, so this is one coalesced store of kUnroll * V words.
@@ -252,7 +220,7 @@ __global__ void __launch_bounds__(kThreads) act_kernel(const Params p) {
       bool b = false;
       if (active) {
         T xi = x[i];
-        if (HasBias) xi = add_bias(xi, bias[channels.rem(inner.quot(i))], alpha);
+        if (HasBias) xi = add_bias(xi, bias[channel_of(i, p)], alpha);
         y[i] = op.forward(xi, b);
       }
       if (K == FORWARD_MASK) {

@@ -16,20 +16,21 @@ from ._kernels import ITEMSIZE, KINDS, all_kernel_keys, all_kernel_names
 from ._source import assembled_source
 
 # Launch shape (see cuda/elementwise.cu), measured with scripts/tune.py on an
-# H200 at 4096 x 393216: 128-thread blocks; one 16-byte vector per thread for
-# 4- and 8-byte types, two for 16-bit types; with a mask, two for every type
-# (float32: 1.028-1.036x the copy time, against 1.039-1.051x with one and
-# 1.042-1.050x with eight, which stores whole 128-byte mask lines per warp);
-# plain (not evict-first) accesses; and one block per chunk of work. Capping
-# the grid at 8 or 64 waves of resident blocks with a grid-stride loop ran
-# 5-8% slower, so the cap is set far out, where it only bounds the grid of
-# enormous inputs.
+# H200 at 4096 x 393216 (docs/performance-notes.md): 128-thread blocks; one
+# 16-byte vector per thread for forward and backward in every dtype (1.005-
+# 1.009x the copy time forward; two vectors cost 0.3-0.7%, four 2-3%); two for
+# forward with mask (float32 1.025-1.036x the copy time, against 1.039-1.051x
+# with one and 1.042-1.050x with eight, which would store whole 128-byte mask
+# lines per warp); plain (not evict-first) accesses; and one block per chunk
+# of work. Capping the grid at 8 or 64 waves of resident blocks with a
+# grid-stride loop ran 5-8% slower, so the cap is set far out, where it only
+# bounds the grid of enormous inputs.
 THREADS = 128  # threads per block (kThreads)
 # kind -> itemsize -> 16-byte vectors per thread and trip (forward_mask: at most 32 / V)
 UNROLL = {
-    "forward": {2: 2, 4: 1, 8: 1},
+    "forward": {2: 1, 4: 1, 8: 1},
     "forward_mask": {2: 2, 4: 2, 8: 2},
-    "backward": {2: 2, 4: 1, 8: 1},
+    "backward": {2: 1, 4: 1, 8: 1},
 }
 STREAMING = 0  # evict-first loads and stores
 GRID_WAVES = 1024  # grid cap, in multiples of the blocks resident at once

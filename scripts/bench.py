@@ -20,8 +20,8 @@ bandwidth over the copy's in the same run. Ratios are speedups (their time over
 ours). Inputs are random normal numbers; our outputs are checked bit for bit
 against eager at every size. A ConvDivLeakyReLU section times the reference
 model (batch 128, 8 -> 64 channels, 3x3, 128x128, divisor 2). The targets of
-docs/benchmarks.md are evaluated last. Writes results.json, results.csv and
-bench.png under --out.
+docs/benchmarks.md are evaluated last. Writes results.json, results.csv,
+results.md (the tables in Markdown) and bench.png under --out.
 """
 
 from __future__ import annotations
@@ -370,6 +370,61 @@ def print_tables(rows):
                   f"{r['gbps']:6.0f} {r.get('pct_copy', 0):5.1f}% {vs_e:>9s} {vs_c:>10s} {saved:>10s}")
 
 
+def markdown(meta, rows, conv, res) -> str:
+    """The run's tables in Markdown (docs/benchmarks.md quotes them)."""
+    L = [f"GPU: {meta['gpu']}; torch {meta['torch']}, cupy {meta['cupy']}, CUDA {meta['cuda']}, "
+         f"Python {meta['python']}. Command: `{meta['command']}`.", ""]
+    ref = "4096x393216"
+    for dtype in dict.fromkeys(r["dtype"] for r in rows):
+        rs = [r for r in rows if r["dtype"] == dtype and r["size"] == ref]
+        if not rs:
+            continue
+        L += [f"### {dtype}, 4096 x 393216 (N = {rs[0]['n']:,})", "",
+              "| op | case | impl | bytes | ms | GB/s | % copy | vs eager | vs compile | saved B/elem |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rs:
+            e = find(rs, op=r["op"], case="forward" if r["case"] == "forward+mask" else r["case"],
+                     impl="eager")
+            c = find(rs, op=r["op"], case=r["case"], impl="compile")
+            ours = r["impl"] == "cupy_act"
+            saved = r["saved_bytes_per_element"]
+            L.append(f"| {r['op']} | {r['case']} | {r['impl']} | {r['formula']} | {r['ms']:.3f} | "
+                     f"{r['gbps']:.0f} | {r['pct_copy']:.1f} | "
+                     f"{f'{e_ms:.3f}x' if ours and (e_ms := e and e['ms'] / r['ms']) else ''} | "
+                     f"{f'{c_ms:.3f}x' if ours and (c_ms := c and c['ms'] / r['ms']) else ''} | "
+                     f"{'' if saved is None else f'{saved:.3f}'} |")
+        L.append("")
+    L += ["### float32 across sizes (time per call in us; GB/s of our forward)", "",
+          "| size | copy | eager fwd | compile fwd | ours fwd | ours GB/s | ours fwd+mask | eager bwd "
+          "| ours bwd | eager fwd+bwd | ours fwd+bwd |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for size in dict.fromkeys(r["size"] for r in rows if r["dtype"] == "float32"):
+        rs = [r for r in rows if r["dtype"] == "float32" and r["size"] == size]
+
+        def us(case, impl, op="leaky_relu"):
+            r = find(rs, op=op if case != "copy" else "-", case=case, impl=impl)
+            return f"{1e3 * r['ms']:.1f}" if r else ""
+
+        ours = find(rs, op="leaky_relu", case="forward", impl="cupy_act")
+        L.append(f"| {size} | {us('copy', 'copy')} | {us('forward', 'eager')} | "
+                 f"{us('forward', 'compile')} | {us('forward', 'cupy_act')} | "
+                 f"{ours['gbps']:.0f} | {us('forward+mask', 'cupy_act')} | "
+                 f"{us('backward', 'eager')} | {us('backward', 'cupy_act')} | "
+                 f"{us('fwd+bwd', 'eager')} | {us('fwd+bwd', 'cupy_act')} |")
+    L += ["", "(leaky_relu with slope 0.01; below 2^24 elements a timing covers 256 / 64 / 16 / 4 "
+          "back-to-back calls at 2^16 / 2^18 / 2^20 / 2^22, so host cost per call is included.)", ""]
+    if conv:
+        L += ["### ConvDivLeakyReLU, batch 128, 8 -> 64 channels, 3x3, 128x128, divisor 2 (float32)",
+              "", "| model | forward ms (no grad) | forward + backward ms |", "|---|---|---|"]
+        for c in conv:
+            fb = "" if c["fwd_bwd_ms"] is None else f"{c['fwd_bwd_ms']:.3f}"
+            L.append(f"| {c['model']} | {c['forward_ms']:.3f} | {fb} |")
+        L.append("")
+    L += ["### Targets", "", "| target | measured | goal | |", "|---|---|---|---|"]
+    for desc, value, goal, ok in res:
+        L.append(f"| {desc} | {value:.3f} | {goal} | {'met' if ok else '**missed**'} |")
+    return "\n".join(L) + "\n"
+
+
 def plot(rows, path):
     import matplotlib
 
@@ -442,8 +497,9 @@ def main() -> None:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         w.writerows(bench.rows)
+    (out / "results.md").write_text(markdown(meta, bench.rows, conv, res))
     plot(bench.rows, out / "bench.png")
-    print(f"wrote {out}/results.json, results.csv, bench.png")
+    print(f"wrote {out}/results.json, results.csv, results.md, bench.png")
 
 
 if __name__ == "__main__":

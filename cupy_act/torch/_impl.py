@@ -80,6 +80,11 @@ def _launch_cuda(kind, op, x, y, mask, bias, slope, divisor, channels_last) -> N
     if n == 0:
         return
     dev = x.get_device()
+    if _get_device() != dev:  # the kernel handle belongs to dev's context
+        import cupy
+
+        with cupy.cuda.Device(dev):
+            return _launch_cuda(kind, op, x, y, mask, bias, slope, divisor, channels_last)
     kernel, s, scale = _plan(dev, op, x.dtype, kind, bias is not None, slope, divisor)
     inner = channels = 1
     bias_ptr = 0
@@ -87,16 +92,9 @@ def _launch_cuda(kind, op, x, y, mask, bias, slope, divisor, channels_last) -> N
         channels = x.shape[1]
         inner = 1 if channels_last else math.prod(x.shape[2:])
         bias_ptr = bias.data_ptr()
-    args = (kernel, _raw_stream(dev), n, x.data_ptr(), y.data_ptr(),
-            0 if mask is None else mask.data_ptr(), 0 if mask is None else mask.numel() >> 2,
-            bias_ptr, inner, channels, s, scale)
-    if _get_device() == dev:
-        _launch.launch(*args)
-    else:  # the kernel handle belongs to dev's context
-        import cupy
-
-        with cupy.cuda.Device(dev):
-            _launch.launch(*args)
+    mask_ptr, mask_words = (0, 0) if mask is None else (mask.data_ptr(), mask.numel() >> 2)
+    _launch.launch(kernel, _raw_stream(dev), n, x.data_ptr(), y.data_ptr(), mask_ptr, mask_words,
+                   bias_ptr, inner, channels, s, scale)
 
 
 def _get_device() -> int:
