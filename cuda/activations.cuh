@@ -16,6 +16,7 @@ namespace cupy_act {
 template <typename T_>
 struct Relu {
   typedef T_ T;
+  static constexpr int kIndex = 0;  // row of kUnrollTable (order of cupy_act._kernels.OPS)
   __device__ explicit Relu(const Params&) {}
   __device__ __forceinline__ T forward(T x, bool& bit) const {
     bit = not_at_most_zero(x);
@@ -35,6 +36,7 @@ struct Relu {
 template <typename T_>
 struct LeakyRelu {
   typedef T_ T;
+  static constexpr int kIndex = 1;
   typedef typename Num<T>::op_t op_t;
   op_t slope;
   __device__ explicit LeakyRelu(const Params& p) : slope(scalar_from_bits<op_t>(p.slope)) {}
@@ -58,6 +60,7 @@ struct LeakyRelu {
 template <typename T_>
 struct DivLeakyRelu {
   typedef T_ T;
+  static constexpr int kIndex = 2;
   typedef typename Num<T>::op_t op_t;
   LeakyRelu<T> leaky;
   op_t scale;

@@ -33,20 +33,22 @@ enum Kind { FORWARD = 0, FORWARD_MASK = 1, BACKWARD = 2 };
 #ifndef CUPY_ACT_THREADS
 #define CUPY_ACT_THREADS 128
 #endif
-// 16-byte vectors per thread and trip, [kind][item size 2, 4, 8]; with a mask,
-// at most G = 32 / V, so that a tile's mask words fit one warp-wide store.
+// 16-byte vectors per thread and trip, [op][kind][item size 2, 4, 8]; with a
+// mask, at most G = 32 / V, so that a tile's mask words fit one warp-wide store.
 #ifndef CUPY_ACT_UNROLL_TABLE
-#define CUPY_ACT_UNROLL_TABLE {{1, 1, 1}, {2, 2, 2}, {1, 1, 1}}
+#define CUPY_ACT_UNROLL_TABLE \
+  {{{2, 1, 1}, {2, 2, 2}, {2, 1, 1}}, {{1, 1, 1}, {2, 2, 2}, {1, 1, 1}}, {{2, 1, 1}, {2, 2, 2}, {1, 1, 1}}}
 #endif
 #ifndef CUPY_ACT_STREAMING
 #define CUPY_ACT_STREAMING 0
 #endif
 constexpr int kThreads = CUPY_ACT_THREADS;  // threads per block
-constexpr int kUnrollTable[3][3] = CUPY_ACT_UNROLL_TABLE;
+constexpr int kUnrollTable[3][3][3] = CUPY_ACT_UNROLL_TABLE;
 
-template <int Size, int K>
+template <class Op, int K>
 struct Unroll {
-  static constexpr int value = kUnrollTable[K][Size == 2 ? 0 : (Size == 4 ? 1 : 2)];
+  static constexpr int size = sizeof(typename Op::T);
+  static constexpr int value = kUnrollTable[Op::kIndex][K][size == 2 ? 0 : (size == 4 ? 1 : 2)];
 };
 
 struct __align__(16) Raw16 { u32 w[4]; };
@@ -138,7 +140,7 @@ __device__ __forceinline__ Pack<T> vector_bias(const T* bias, long long i, int m
 template <class Op, int K, bool HasBias>
 __global__ void __launch_bounds__(kThreads) act_kernel(const Params p) {
   typedef typename Op::T T;
-  constexpr int kUnroll = Unroll<sizeof(T), K>::value;
+  constexpr int kUnroll = Unroll<Op, K>::value;
   constexpr int V = 16 / sizeof(T);             // elements per 16-byte vector
   constexpr int G = 32 / V;                     // lanes whose bits share a mask word
   static_assert(K != FORWARD_MASK || kUnroll <= G, "a tile's mask words must fit one store");

@@ -12,25 +12,31 @@ from __future__ import annotations
 import threading
 from typing import NamedTuple
 
-from ._kernels import ITEMSIZE, KINDS, all_kernel_keys, all_kernel_names
+from ._kernels import ITEMSIZE, KINDS, OPS, all_kernel_keys, all_kernel_names
 from ._source import assembled_source
 
-# Launch shape (see cuda/elementwise.cu), measured with scripts/tune.py on an
-# H200 at 4096 x 393216 (docs/performance-notes.md): 128-thread blocks; one
-# 16-byte vector per thread for forward and backward in every dtype (1.005-
-# 1.009x the copy time forward; two vectors cost 0.3-0.7%, four 2-3%); two for
-# forward with mask (float32 1.025-1.036x the copy time, against 1.039-1.051x
-# with one and 1.042-1.050x with eight, which would store whole 128-byte mask
-# lines per warp); plain (not evict-first) accesses; and one block per chunk
-# of work. Capping the grid at 8 or 64 waves of resident blocks with a
-# grid-stride loop ran 5-8% slower, so the cap is set far out, where it only
-# bounds the grid of enormous inputs.
+# Launch shape (see cuda/elementwise.cu), measured on an H200 at 4096 x 393216
+# with scripts/tune.py and scripts/bench.py (docs/performance-notes.md):
+# 128-thread blocks; forward and backward, one 16-byte vector per thread for
+# 4- and 8-byte types (99-100% of the copy's speed; two vectors cost 0.3-0.7%,
+# four 2-3%); for 16-bit types two (98.8-99.1% for every op), except where one
+# measured faster: leaky_relu forward and backward (99.7-100.4%) and
+# div_leaky_relu backward (100.2%; relu and div_leaky_relu forward dropped to
+# 95-97% with one). Forward with mask: two in every dtype (float32 1.025-1.036x
+# the copy time, against 1.039-1.051x with one and 1.042-1.050x with eight,
+# which would store whole 128-byte mask lines per warp). Plain (not
+# evict-first) accesses; one block per chunk of work: capping the grid at 8 or
+# 64 waves of resident blocks with a grid-stride loop ran 5-8% slower, so the
+# cap is set far out, where it only bounds the grid of enormous inputs.
 THREADS = 128  # threads per block (kThreads)
-# kind -> itemsize -> 16-byte vectors per thread and trip (forward_mask: at most 32 / V)
+# op -> kind -> itemsize -> 16-byte vectors per thread and trip (forward_mask: at most 32 / V)
 UNROLL = {
-    "forward": {2: 1, 4: 1, 8: 1},
-    "forward_mask": {2: 2, 4: 2, 8: 2},
-    "backward": {2: 1, 4: 1, 8: 1},
+    op: {
+        "forward": {2: 1 if op == "leaky_relu" else 2, 4: 1, 8: 1},
+        "forward_mask": {2: 2, 4: 2, 8: 2},
+        "backward": {2: 2 if op == "relu" else 1, 4: 1, 8: 1},
+    }
+    for op in OPS
 }
 STREAMING = 0  # evict-first loads and stores
 GRID_WAVES = 1024  # grid cap, in multiples of the blocks resident at once
@@ -48,9 +54,12 @@ def options() -> tuple[str, ...]:
 
 
 def _unroll_table() -> str:
-    """UNROLL as the C initializer of kUnrollTable[kind][item size 2, 4, 8]."""
-    rows = [UNROLL[kind] for kind in sorted(KINDS, key=KINDS.get)]
-    return "{" + ",".join("{" + ",".join(str(r[s]) for s in (2, 4, 8)) + "}" for r in rows) + "}"
+    """UNROLL as the C initializer of kUnrollTable[op][kind][item size 2, 4, 8]."""
+    kinds = sorted(KINDS, key=KINDS.get)
+    return "{" + ",".join(
+        "{" + ",".join("{" + ",".join(str(UNROLL[op][k][s]) for s in (2, 4, 8)) + "}" for k in kinds) + "}"
+        for op in OPS
+    ) + "}"
 
 
 CUPY_ADDED_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
@@ -127,9 +136,9 @@ def _build(device_id: int) -> dict[tuple, Kernel]:
     with cupy.cuda.Device(device_id) as device:
         sms = device.attributes["MultiProcessorCount"]
         for key, name in zip(all_kernel_keys(), all_kernel_names()):
-            _, dtype, kind, _ = key
+            op, dtype, kind, _ = key
             size = ITEMSIZE[dtype]
-            unroll = UNROLL[kind][size]
+            unroll = UNROLL[op][kind][size]
             fn = module.get_function(name).kernel  # the cupy.cuda.Function
             per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, THREADS, 0)
             cap = min(max(1, per_sm) * sms * GRID_WAVES, 2**31 - 1)

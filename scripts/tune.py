@@ -3,7 +3,7 @@
     PYTHONPATH=. python scripts/tune.py [--kinds forward forward_mask backward]
                                         [--unrolls 1 2 4] [--threads 128]
 
-For each block size and vectors-per-thread count (``_loader.UNROLL``) it rebuilds
+For each block size and vectors-per-thread count (``_loader.UNROLL`` of leaky_relu) it rebuilds
 the module and times leaky_relu of each kind at 4096 x 393216 float32 (the
 same bytes in bfloat16, float16 and float64) against a device copy of the
 same tensor, measured in the same loop. Printed: time over the copy's time,
@@ -14,6 +14,7 @@ for the kinds that move a mask).
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 
 import cupy
@@ -33,7 +34,7 @@ def main() -> None:
     ap.add_argument("--threads", nargs="+", type=int, default=[128])
     ap.add_argument("--rows", type=int, default=4096)
     args = ap.parse_args()
-    defaults = (_loader.THREADS, {k: dict(v) for k, v in _loader.UNROLL.items()})
+    defaults = (_loader.THREADS, copy.deepcopy(_loader.UNROLL))
     for dtype in DTYPES:
         rows = args.rows * 4 // dtype.itemsize  # the same bytes as float32 in every dtype
         x = torch.randn((rows, 393216), device="cuda", dtype=dtype)
@@ -52,8 +53,8 @@ def main() -> None:
             if kind == "forward_mask" and u > 32 * size // 16:
                 continue
             _loader.THREADS = threads
-            _loader.UNROLL = {k: dict(v) for k, v in defaults[1].items()}
-            _loader.UNROLL[kind][size] = u
+            _loader.UNROLL = copy.deepcopy(defaults[1])
+            _loader.UNROLL["leaky_relu"][kind][size] = u
             _loader.reset()
             ms, copy = median_ms(run[kind]), median_ms(lambda: y.copy_(x))
             floor = 1 + (1 / (16 * size) if kind != "forward" else 0)
