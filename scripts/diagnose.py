@@ -1,0 +1,112 @@
+"""One-off diagnostics behind docs/performance-notes.md (development tools).
+
+    PYTHONPATH=. python scripts/diagnose.py mask   # where forward-with-mask loses time
+    PYTHONPATH=. python scripts/diagnose.py bias   # the conv epilogue with and without bias
+
+mask: builds variants of the forward-with-mask kernel by editing its mask
+store in the assembled source (never store it; store a constant word, so no
+shuffles are needed; store with st.global.cs or .wt) at several vectors per
+thread, and times leaky_relu on 4096 x 393216 float32 and the same bytes of
+bfloat16 as multiples of a device copy, three rounds in one run.
+bias: times div_leaky_relu at the conv model's output shape (128 x 64 x
+126 x 126 float32), NCHW and channels-last, with and without the bias.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import cupy
+import torch
+
+from cupy_act import _kernels, _launch, _loader, _source
+from cupy_act._arrays import mask_nbytes
+from cupy_act.testing import median_ms
+
+_STORE = "      p.mask[base / 32 + (lane % G) * V + lane / G] = mine;"
+_ADDR = "p.mask + base / 32 + (lane % G) * V + lane / G"
+VARIANTS = {
+    "base": _STORE,
+    "nostore": "      if (mine == (u32)p.n) p.mask[base / 32 + (lane % G) * V + lane / G] = mine;",
+    "const": "      p.mask[base / 32 + (lane % G) * V + lane / G] = (u32)base;",
+    "cs": f'      asm volatile("st.global.cs.u32 [%0], %1;" :: "l"({_ADDR}), "r"(mine) : "memory");',
+    "wt": f'      asm volatile("st.global.wt.u32 [%0], %1;" :: "l"({_ADDR}), "r"(mine) : "memory");',
+}
+
+
+def build(variant: str, mask_unroll: int, dtype: str):
+    """(forward_mask kernel, forward kernel) of leaky_relu with the mask store replaced."""
+    src = _source.assembled_source()
+    assert _STORE in src, "the mask store in cuda/elementwise.cu changed; update _STORE"
+    saved = copy.deepcopy(_loader.UNROLL)
+    size = _kernels.ITEMSIZE[dtype]
+    _loader.UNROLL["leaky_relu"]["forward_mask"][size] = mask_unroll
+    try:
+        names = [_kernels.kernel_name("leaky_relu", dtype, k) for k in ("forward_mask", "forward")]
+        mod = cupy.RawModule(code=src.replace(_STORE, VARIANTS[variant]), options=_loader.options(),
+                             name_expressions=names)
+        out = []
+        for name, kind in zip(names, ("forward_mask", "forward")):
+            fn = mod.get_function(name).kernel
+            per_block = _loader.THREADS * _loader.UNROLL["leaky_relu"][kind][size] * 16 // size
+            out.append(_loader.Kernel(fn.ptr, _loader.THREADS, per_block, 2**31 - 1, size == 8,
+                                      (fn, mod)))
+        return out
+    finally:
+        _loader.UNROLL = saved
+
+
+def diagnose_mask() -> None:
+    stream = torch.cuda.current_stream().cuda_stream
+    for dtype, tdtype, top in (("float32", torch.float32, 8), ("bfloat16", torch.bfloat16, 4)):
+        x = torch.randn((4096 * 4 // tdtype.itemsize, 393216), device="cuda", dtype=tdtype)
+        y = torch.empty_like(x)
+        n = x.numel()
+        mask = torch.empty(mask_nbytes(n), dtype=torch.uint8, device="cuda")
+        configs = [("base", 1), ("base", 2), ("base", top), ("nostore", 1), ("nostore", top),
+                   ("const", 1), ("cs", 1), ("cs", 2), ("wt", 2)]
+        kernels = {c: build(*c, dtype) for c in configs}
+        res = {}
+        for _ in range(3):
+            copy_ms = median_ms(lambda: y.copy_(x))
+            res.setdefault("copy (ms)", []).append(copy_ms)
+            for c in configs:
+                k = kernels[c][0]
+                t = median_ms(lambda: _launch.launch(k, stream, n, x.data_ptr(), y.data_ptr(),
+                                                     mask.data_ptr(), mask.numel() // 4, 0, 1, 1,
+                                                     0.01, 1.0))
+                res.setdefault(f"{c[0]}, {c[1]} vectors/thread", []).append(t / copy_ms)
+            k = kernels[configs[0]][1]
+            t = median_ms(lambda: _launch.launch(k, stream, n, x.data_ptr(), y.data_ptr(), 0, 0, 0, 1,
+                                                 1, 0.01, 1.0))
+            res.setdefault("forward, no mask", []).append(t / copy_ms)
+        print(f"{dtype}: time over the copy's, three rounds")
+        for name, v in res.items():
+            print(f"  {name:28s} " + " ".join(f"{t:.4f}" for t in v))
+
+
+def diagnose_bias() -> None:
+    import cupy_act.torch as ct
+
+    pre = torch.randn(128, 64, 126, 126, device="cuda")
+    b = torch.randn(64, device="cuda")
+    with torch.no_grad():
+        cl = pre.contiguous(memory_format=torch.channels_last)
+        for name, t in (("NCHW", pre), ("channels-last", cl)):
+            out = torch.empty_like(t)
+            c = median_ms(lambda: out.copy_(t))
+            nb = median_ms(lambda: ct.div_leaky_relu(t, 2.0))
+            wb = median_ms(lambda: ct.div_leaky_relu(t, 2.0, bias=b))
+            print(f"{name}: copy {c:.4f} ms, div_leaky_relu {nb:.4f} ms, with bias {wb:.4f} ms")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["mask", "bias"])
+    args = ap.parse_args()
+    (diagnose_mask if args.what == "mask" else diagnose_bias)()
+
+
+if __name__ == "__main__":
+    main()
