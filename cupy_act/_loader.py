@@ -55,11 +55,13 @@ def options() -> tuple[str, ...]:
 
 def _unroll_table() -> str:
     """UNROLL as the C initializer of kUnrollTable[op][kind][item size 2, 4, 8]."""
+
+    def braces(items) -> str:
+        return "{" + ",".join(items) + "}"
+
     kinds = sorted(KINDS, key=KINDS.get)
-    return "{" + ",".join(
-        "{" + ",".join("{" + ",".join(str(UNROLL[op][k][s]) for s in (2, 4, 8)) + "}" for k in kinds) + "}"
-        for op in OPS
-    ) + "}"
+    return braces(braces(braces(str(UNROLL[op][k][s]) for s in (2, 4, 8)) for k in kinds)
+                  for op in OPS)
 
 
 CUPY_ADDED_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
