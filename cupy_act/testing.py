@@ -52,6 +52,38 @@ def backward(op, x, dy, slope=0.01, divisor=None, bias=None):
     return dx
 
 
+class ConvDivLeakyReLUModel(torch.nn.Module):
+    """The reference model ``leaky_relu(conv2d(x) / divisor, negative_slope)`` in plain
+    torch, with ``self.conv`` an ``nn.Conv2d``: the parameters and ``state_dict`` keys
+    that ``cupy_act.torch.ConvDivLeakyReLU`` shares."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, divisor, negative_slope=0.01):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(in_channels, out_channels, kernel_size)
+        self.divisor, self.negative_slope = divisor, negative_slope
+
+    def forward(self, x):
+        return F.leaky_relu(self.conv(x) / self.divisor, self.negative_slope)
+
+
+def saved_tensors(fn, *args):
+    """``(fn(*args), [tensors autograd saved during the call])``, via saved_tensors_hooks."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args)
+    return out, saved
+
+
+def nbytes(tensors) -> int:
+    """Total bytes of ``tensors``."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """Integer view for bit-for-bit comparison."""
     return t.contiguous().view(INT_VIEW[t.dtype])

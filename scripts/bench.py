@@ -37,7 +37,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import cupy_act.torch as ct
 from cupy_act import testing
@@ -104,30 +103,10 @@ def formula(k):
 
 
 def saved_bytes_per_element(fn, dtype, n=4096) -> float:
-    """Bytes autograd saves for one call of fn, per element, measured with saved_tensors_hooks."""
+    """Bytes autograd saves for one call of fn, per element."""
     x = torch.randn(n, device=DEVICE, dtype=dtype, requires_grad=True)
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(x * 1)  # a non-leaf input, as in a network; `* 1` itself saves nothing
-    return total / n
-
-
-class EagerConvModel(nn.Module):
-    """The reference model: leaky_relu(conv2d(x) / divisor, 0.01)."""
-
-    def __init__(self, divisor=2.0):
-        super().__init__()
-        self.conv = nn.Conv2d(8, 64, 3)
-        self.divisor = divisor
-
-    def forward(self, x):
-        return F.leaky_relu(self.conv(x) / self.divisor, 0.01)
+    # a non-leaf input, as in a network; `* 1` itself saves nothing
+    return testing.nbytes(testing.saved_tensors(fn, x * 1)[1]) / n
 
 
 class Bench:
@@ -241,7 +220,7 @@ class Bench:
 
     def run_conv(self):
         torch.manual_seed(0)
-        eager = EagerConvModel().to(DEVICE)
+        eager = testing.ConvDivLeakyReLUModel(8, 64, 3, 2.0).to(DEVICE)
         x = torch.randn(128, 8, 128, 128, device=DEVICE)
         models = {"eager": eager}
         if not self.args.no_compile:

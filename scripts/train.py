@@ -38,24 +38,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import cupy_act.torch as ct
+from cupy_act import testing
 
 SLOPE, DIVISOR, CLASSES = 0.01, 2.0, 10
 
 
-class EagerConvBlock(nn.Module):
-    """The reference model: leaky_relu(conv2d(x) / divisor, 0.01)."""
-
-    def __init__(self, cin, cout):
-        super().__init__()
-        self.conv = nn.Conv2d(cin, cout, 3)
-
-    def forward(self, x):
-        return F.leaky_relu(self.conv(x) / DIVISOR, SLOPE)
-
-
 def conv_model(backend: str, cin: int, cout: int) -> nn.Module:
-    block = EagerConvBlock(cin, cout) if backend == "eager" else ct.ConvDivLeakyReLU(
-        cin, cout, 3, DIVISOR, SLOPE)
+    cls = testing.ConvDivLeakyReLUModel if backend == "eager" else ct.ConvDivLeakyReLU
+    block = cls(cin, cout, 3, DIVISOR, SLOPE)
     return nn.Sequential(block, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cout, CLASSES))
 
 
@@ -106,17 +96,8 @@ def initial_state(task: Task, device) -> dict:
 
 
 def saved_bytes(model, x) -> int:
-    """Bytes autograd saves for one forward pass (saved_tensors_hooks)."""
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x)
-    return total
+    """Bytes autograd saves for one forward pass."""
+    return testing.nbytes(testing.saved_tensors(model, x)[1])
 
 
 def train(task: Task, backend: str, steps: int, device, lr=0.05, rank=0, world=1, log=print):

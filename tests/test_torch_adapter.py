@@ -108,17 +108,14 @@ def test_bias_forward_and_gradients(shape, channels_last, dtype, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", testing.DTYPES, ids=DTYPE_IDS)
 def test_saved_memory_is_the_mask_only(dtype, device):
-    saved = []
-
-    def pack(t):
-        saved.append((t.dtype, t.numel()))
-        return t
-
-    x = torch.randn(3, 1000, 7, device=device, dtype=dtype, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def chain(x):
         y = ct.relu(x)
         y = ct.leaky_relu(y.clone(), 0.2)
-        y = ct.div_leaky_relu(y.clone(), 3.0, 0.1)
+        return ct.div_leaky_relu(y.clone(), 3.0, 0.1)
+
+    x = torch.randn(3, 1000, 7, device=device, dtype=dtype, requires_grad=True)
+    y, tensors = testing.saved_tensors(chain, x)
+    saved = [(t.dtype, t.numel()) for t in tensors]
     n = x.numel()
     masks = [s for s in saved if s[0] == torch.uint8]
     assert masks == [(torch.uint8, cupy_act.mask_nbytes(n))] * 3, saved
@@ -204,23 +201,14 @@ def test_bad_arguments():
         ct.div_leaky_relu(torch.randn(2, 4, 3), 2.0, bias=torch.randn(3))
 
 
-class EagerModel(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(8, 16, 3)
-
-    def forward(self, x):
-        return TF.leaky_relu(self.conv(x) / 2, 0.01)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_conv_module_state_dict_round_trip(device):
     torch.manual_seed(0)
-    eager = EagerModel().to(device)
+    eager = testing.ConvDivLeakyReLUModel(8, 16, 3, 2).to(device)
     ours = ct.ConvDivLeakyReLU(8, 16, 3, divisor=2).to(device)
     assert set(ours.state_dict()) == set(eager.state_dict()) == {"conv.weight", "conv.bias"}
     ours.load_state_dict(eager.state_dict())
-    eager2 = EagerModel().to(device)
+    eager2 = testing.ConvDivLeakyReLUModel(8, 16, 3, 2).to(device)
     eager2.load_state_dict(ours.state_dict())
     x = torch.randn(2, 8, 12, 12, device=device)
     y_e, y_o = eager(x), ours(x)

@@ -21,14 +21,10 @@ import torch.nn.functional as F
 
 from .. import _launch, _loader
 from .._arrays import mask_nbytes
+from .._kernels import DTYPES
 from .._scalars import reciprocal, to_op_type
 
-DTYPE_NAMES = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float64: "float64",
-}
+DTYPE_NAMES = {getattr(torch, name): name for name in DTYPES}  # torch.float32 -> "float32"
 _CL_FORMAT = {4: torch.channels_last, 5: torch.channels_last_3d}
 
 try:  # the raw handle, without building a torch.cuda.Stream object per call
@@ -166,7 +162,8 @@ def _layout(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return arrange(x, cl), cl
 
 
-def _new_mask(x: torch.Tensor) -> torch.Tensor:
+def new_mask(x: torch.Tensor) -> torch.Tensor:
+    """An uninitialised mask buffer for x's elements, on x's device."""
     return x.new_empty(mask_nbytes(x.numel()), dtype=torch.uint8)
 
 
@@ -193,7 +190,7 @@ def forward_mask_layout(x, op: str, slope: float, divisor: float, bias):
         return arrange(y, cl), pack_bits(_bits_cpu(op, t)), cl
     x, cl = _layout(x)
     y = torch.empty_like(x)
-    mask = _new_mask(x)
+    mask = new_mask(x)
     _launch_cuda("forward_mask", op, x, y, mask, bias, slope, divisor, cl)
     return y, mask, cl
 
@@ -206,7 +203,7 @@ def forward_mask_(x, op: str, slope: float, divisor: float, bias, with_mask: boo
         x.copy_(y)
         return mask
     work, cl = _layout(x)
-    mask = _new_mask(x) if with_mask else None
+    mask = new_mask(x) if with_mask else None
     _launch_cuda("forward_mask" if with_mask else "forward", op, work, work, mask, bias,
                  slope, divisor, cl)
     if work is not x:

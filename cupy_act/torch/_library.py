@@ -17,7 +17,6 @@ from typing import Optional
 
 import torch
 
-from .._arrays import mask_nbytes
 from . import _impl
 
 Tensor = torch.Tensor
@@ -25,10 +24,6 @@ Tensor = torch.Tensor
 
 def _like(x: Tensor) -> Tensor:
     return torch.empty_like(_impl.arrange(x, _impl.is_channels_last(x)))
-
-
-def _mask_like(x: Tensor) -> Tensor:
-    return x.new_empty(mask_nbytes(x.numel()), dtype=torch.uint8)
 
 
 @torch.library.custom_op("cupy_act::forward", mutates_args=())
@@ -50,7 +45,7 @@ def forward_mask_op(
 
 @forward_mask_op.register_fake
 def _(x, op, slope, divisor, bias):
-    return _like(x), _mask_like(x)
+    return _like(x), _impl.new_mask(x)
 
 
 @torch.library.custom_op("cupy_act::backward", mutates_args=())
@@ -74,7 +69,7 @@ def forward_mask_inplace_op(
 
 @forward_mask_inplace_op.register_fake
 def _(x, op, slope, divisor, bias):
-    return _mask_like(x)
+    return _impl.new_mask(x)
 
 
 def bias_grad(dx: Tensor) -> Tensor:
