@@ -66,22 +66,28 @@ class ConvDivLeakyReLUModel(torch.nn.Module):
         return F.leaky_relu(self.conv(x) / self.divisor, self.negative_slope)
 
 
-def saved_tensors(fn, *args):
-    """``(fn(*args), [tensors autograd saved during the call])``, via saved_tensors_hooks."""
-    saved = []
+def saved_sizes(fn, *args):
+    """``(fn(*args), [(dtype, numel) of each tensor autograd saved during the call])``.
+
+    Recorded through saved_tensors_hooks. Only sizes are kept: holding the saved
+    tensors themselves past the call keeps the whole graph alive after its
+    output is gone (measured: the peak memory of scripts/train.py grew by the
+    probe's activations).
+    """
+    sizes = []
 
     def pack(t):
-        saved.append(t)
+        sizes.append((t.dtype, t.numel()))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn(*args)
-    return out, saved
+    return out, sizes
 
 
-def nbytes(tensors) -> int:
-    """Total bytes of ``tensors``."""
-    return sum(t.numel() * t.element_size() for t in tensors)
+def nbytes(sizes) -> int:
+    """Total bytes of ``(dtype, numel)`` pairs."""
+    return sum(numel * dtype.itemsize for dtype, numel in sizes)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

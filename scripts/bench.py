@@ -106,7 +106,7 @@ def saved_bytes_per_element(fn, dtype, n=4096) -> float:
     """Bytes autograd saves for one call of fn, per element."""
     x = torch.randn(n, device=DEVICE, dtype=dtype, requires_grad=True)
     # a non-leaf input, as in a network; `* 1` itself saves nothing
-    return testing.nbytes(testing.saved_tensors(fn, x * 1)[1]) / n
+    return testing.nbytes(testing.saved_sizes(fn, x * 1)[1]) / n
 
 
 class Bench:

@@ -97,7 +97,7 @@ def initial_state(task: Task, device) -> dict:
 
 def saved_bytes(model, x) -> int:
     """Bytes autograd saves for one forward pass."""
-    return testing.nbytes(testing.saved_tensors(model, x)[1])
+    return testing.nbytes(testing.saved_sizes(model, x)[1])
 
 
 def train(task: Task, backend: str, steps: int, device, lr=0.05, rank=0, world=1, log=print):
