@@ -6,6 +6,16 @@ handle, so a launch creates no CuPy arrays and no stream objects. The grid is
 one block per ``kernel.per_block`` elements, capped at ``kernel.max_blocks``
 (a multiple of the blocks the device holds at once, see ``_loader``); the
 kernel's grid-stride loop covers anything beyond.
+
+Context: a ``CUfunction`` belongs to the context its module was loaded in (the
+device's primary context, see ``_loader``), and ``cuLaunchKernel`` uses the
+calling thread's current context. A thread whose first CUDA work is ours has
+none: the autograd engine's device thread for cuda:0, or a fresh user thread.
+So each launch compares the current context with the kernel's (one driver call,
+``cuCtxGetCurrent``, which also replaces a ``cudaGetDevice``) and otherwise
+makes the kernel's context current around the launch. Where no context was
+current it is left current, as PyTorch does for the same reason; another
+device's context is restored afterwards.
 """
 
 from __future__ import annotations
@@ -14,7 +24,7 @@ import ctypes
 import struct
 import threading
 
-from ._loader import Kernel
+from ._loader import Kernel, cache_dir_problem
 
 # Params: x, y, mask, bias (pointers), n, mask_words, inner, channels, then the
 # slope, scale and alpha (= 1) bits: a float in the low 4 bytes, or a double;
@@ -36,11 +46,24 @@ class _Scratch(threading.local):
 _scratch = _Scratch()
 
 try:  # `cupy.cuda.driver` is an attribute of cupy.cuda, not an importable module
-    import cupy
+    try:
+        import cupy
+    except OSError as e:  # CuPy >= 14 makes its kernel cache directory at import
+        problem = cache_dir_problem()
+        if problem is None:
+            raise
+        raise RuntimeError(
+            f"cupy_act: CuPy cannot be imported: its kernel cache directory {problem}. "
+            f"Set CUPY_CACHE_DIR to a directory that can be created and written, or unset "
+            f"it (default ~/.cupy/kernel_cache)."
+        ) from e
 
-    _launch_kernel = cupy.cuda.driver.launchKernel
+    _driver = cupy.cuda.driver
+    _launch_kernel = _driver.launchKernel
+    _ctx_get_current = _driver.ctxGetCurrent
+    _ctx_set_current = _driver.ctxSetCurrent
 except ImportError:  # pragma: no cover - CuPy is a dependency
-    _launch_kernel = None
+    _launch_kernel = _ctx_get_current = _ctx_set_current = None
 
 
 def launch(
@@ -60,12 +83,21 @@ def launch(
     """Launch ``kernel`` over ``n`` elements on ``stream`` (a raw handle).
 
     Pointers are raw device addresses; ``slope`` and ``scale`` are already
-    rounded to the op type (float for every dtype but float64). The caller
-    makes the kernel's device current and skips empty inputs.
+    rounded to the op type (float for every dtype but float64). Any thread may
+    call it (see the module docstring); the caller skips empty inputs.
     """
     blocks = min(-(-n // kernel.per_block), kernel.max_blocks)
     pack = _PARAMS_F64 if kernel.wide else _PARAMS_F32
     s = _scratch
     pack.pack_into(s.buf, 0, x, y, mask, bias, n, mask_words, inner, channels, slope, scale, 1.0,
                    1.0 / inner, 1.0 / channels)
-    _launch_kernel(kernel.ptr, blocks, 1, 1, kernel.threads, 1, 1, 0, stream, s.argv_ptr, 0)
+    current = _ctx_get_current()
+    if current == kernel.ctx:
+        _launch_kernel(kernel.ptr, blocks, 1, 1, kernel.threads, 1, 1, 0, stream, s.argv_ptr, 0)
+        return
+    _ctx_set_current(kernel.ctx)
+    try:
+        _launch_kernel(kernel.ptr, blocks, 1, 1, kernel.threads, 1, 1, 0, stream, s.argv_ptr, 0)
+    finally:
+        if current:  # another context was current: give it back
+            _ctx_set_current(current)

@@ -5,11 +5,19 @@ on the first ``get_function`` on a device and keeps the cubin in its disk cache
 (``~/.cupy/kernel_cache``), so later processes load it without compiling.
 ``compile_ptx`` runs NVRTC directly and needs no GPU: the tests use it to check
 every instantiation on CPU-only machines.
+
+Where CuPy's cache directory exists but cannot be written (read-only), the
+module is compiled in memory instead, with one warning per process (see
+``_get_functions``). Where it cannot even be created, CuPy 14 already fails at
+``import cupy``; ``_launch`` turns that into an error that says what to set.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 import threading
+import warnings
 from typing import NamedTuple
 
 from ._kernels import ITEMSIZE, KINDS, OPS, all_kernel_keys, all_kernel_names
@@ -75,6 +83,7 @@ class Kernel(NamedTuple):
     per_block: int  # elements one block covers per trip of its loop
     max_blocks: int  # grid cap: GRID_WAVES x the blocks resident at once
     wide: bool  # float64: scalars are passed as doubles
+    ctx: int  # CUcontext the module was loaded in: the device's primary context
     function: object  # the cupy Function, which keeps its module loaded
 
 
@@ -129,6 +138,53 @@ def reset() -> None:
         _loaded.clear()
 
 
+_in_memory = False  # set once CuPy's kernel cache turned out to be unwritable
+
+
+def cache_dir_problem() -> str | None:
+    """Why CuPy's kernel cache directory cannot be written, or None if it can."""
+    # CuPy's documented location (its own lookup is private and has moved)
+    path = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
+    try:  # a real write: os.access() says yes to root even on /proc
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        return f"{path!r} cannot be written ({e})"
+    return None
+
+
+def _get_functions(module, names) -> list:
+    """``module.get_function`` for every name, compiling in memory where CuPy's
+    disk cache cannot be written (CuPy would raise a bare OSError)."""
+    global _in_memory
+    if not _in_memory:
+        try:
+            return [module.get_function(name) for name in names]
+        except OSError:
+            problem = cache_dir_problem()
+            if problem is None:  # not the cache: a real error
+                raise
+        _in_memory = True
+        warnings.warn(
+            f"cupy_act: CuPy's kernel cache directory {problem}; compiling the kernels in "
+            f"memory instead, again in every process. Set CUPY_CACHE_DIR to a writable "
+            f"directory to keep them (or CUPY_CACHE_IN_MEMORY=1 to silence this).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    # CuPy reads CUPY_CACHE_IN_MEMORY at each compilation; we hold _lock here.
+    saved = os.environ.get("CUPY_CACHE_IN_MEMORY")
+    os.environ["CUPY_CACHE_IN_MEMORY"] = "1"
+    try:
+        return [module.get_function(name) for name in names]
+    finally:
+        if saved is None:
+            del os.environ["CUPY_CACHE_IN_MEMORY"]
+        else:
+            os.environ["CUPY_CACHE_IN_MEMORY"] = saved
+
+
 def _build(device_id: int) -> dict[tuple, Kernel]:
     import cupy
     from cupy.cuda import driver
@@ -136,16 +192,23 @@ def _build(device_id: int) -> dict[tuple, Kernel]:
     module = _raw_module()
     table = {}
     with cupy.cuda.Device(device_id) as device:
+        # Device() skips cudaSetDevice when device_id is already the runtime's
+        # device, which on a thread without CUDA work leaves no context current.
+        # Since CUDA 12, cudaSetDevice makes the primary context current: load
+        # the module there and record it for the launcher's context check.
+        cupy.cuda.runtime.setDevice(device_id)
+        ctx = driver.ctxGetCurrent()
         sms = device.attributes["MultiProcessorCount"]
-        for key, name in zip(all_kernel_keys(), all_kernel_names()):
+        functions = _get_functions(module, all_kernel_names())
+        for key, function in zip(all_kernel_keys(), functions):
             op, dtype, kind, _ = key
             size = ITEMSIZE[dtype]
             unroll = UNROLL[op][kind][size]
-            fn = module.get_function(name).kernel  # the cupy.cuda.Function
+            fn = function.kernel  # the cupy.cuda.Function
             per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, THREADS, 0)
             cap = min(max(1, per_sm) * sms * GRID_WAVES, 2**31 - 1)
             table[(device_id, *key)] = Kernel(fn.ptr, THREADS, THREADS * unroll * (16 // size), cap,
-                                              size == 8, fn)
+                                              size == 8, ctx, fn)
     return table
 
 

@@ -1,28 +1,59 @@
 #!/usr/bin/env bash
-# One GPU session: full test suite, a reduced suite under compute-sanitizer,
-# the benchmark suite (tables, JSON, CSV, plot under $OUT/bench) and the
-# call-overhead table. Logs go to $OUT; a summary is last.
-# Usage (GPU machine, repository root): [TUNE=1] bash scripts/device_run.sh
+# One GPU session: the conformance suite (every row in a fresh subprocess), the
+# rest of the test suite, a reduced suite under compute-sanitizer, the benchmark
+# suite (tables, JSON, CSV, plot under $OUT/bench) and the call-overhead table.
+# Logs go to $OUT; a summary is last.
+# Usage (GPU machine, repository root):
+#   [PARTS="conformance tests sanitizer bench overhead"] [BASE=dir] [TUNE=1] bash scripts/device_run.sh
+# BASE: a copy of another version's cupy_act/ and cuda/ (e.g. the last release),
+# whose overhead is measured in the same run, alternating with this one.
 set -u
 OUT=${OUT:-/tmp/cupy_act_out}; mkdir -p "$OUT"
+PARTS=${PARTS:-"conformance tests sanitizer bench overhead"}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+has() { [[ " $PARTS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt"
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)" >> "$OUT/gpu.txt"
 
-timeout 330 python3 -m pytest -q -p no:cacheprovider tests -rs > "$OUT/pytest.log" 2>&1
-echo "pytest rc=$?" >> "$OUT/pytest.log"
-timeout 150 compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
-  tests/test_ops_gpu.py -k "contiguous-33- or misaligned-129- or step2-31- or transposed-4097- or (test_bias_bit_exact and not large)" \
-  > "$OUT/sanitizer.log" 2>&1
-echo "sanitizer rc=$?" >> "$OUT/sanitizer.log"
-timeout 330 python3 scripts/bench.py --out "$OUT/bench" > "$OUT/bench.log" 2>&1
-timeout 60 python3 scripts/overhead.py > "$OUT/overhead.log" 2>&1
+if has conformance; then
+  timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_conformance.py -rs -k "not cpu" \
+    > "$OUT/conformance.log" 2>&1
+  echo "conformance rc=$?" >> "$OUT/conformance.log"
+fi
+if has tests; then
+  timeout 360 python3 -m pytest -q -p no:cacheprovider tests -rs --deselect tests/test_conformance.py \
+    > "$OUT/pytest.log" 2>&1
+  echo "pytest rc=$?" >> "$OUT/pytest.log"
+fi
+if has sanitizer; then
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_ops_gpu.py -k "contiguous-33- or misaligned-129- or step2-31- or transposed-4097- or (test_bias_bit_exact and not large)" \
+    > "$OUT/sanitizer.log" 2>&1
+  echo "sanitizer rc=$?" >> "$OUT/sanitizer.log"
+fi
+if has bench; then
+  timeout 330 python3 scripts/bench.py --out "$OUT/bench" > "$OUT/bench.log" 2>&1
+fi
+if has overhead; then
+  for i in 1 2 3; do
+    if [ -n "${BASE:-}" ]; then
+      echo "== base run $i" >> "$OUT/overhead.log"
+      PYTHONPATH=$PWD/$BASE timeout 60 python3 scripts/overhead.py >> "$OUT/overhead.log" 2>&1
+    fi
+    echo "== this version, run $i" >> "$OUT/overhead.log"
+    timeout 60 python3 scripts/overhead.py >> "$OUT/overhead.log" 2>&1
+  done
+fi
 if [ "${TUNE:-0}" = 1 ]; then  # launch-shape sweep (development)
   timeout 240 python3 scripts/tune.py > "$OUT/tune.log" 2>&1
 fi
 
 echo "== summary"; cat "$OUT/gpu.txt"
-tail -n 3 "$OUT/pytest.log"; grep -E "^FAILED|^ERROR" "$OUT/pytest.log" | head -20
-grep -E "ERROR SUMMARY|passed|failed|rc=" "$OUT/sanitizer.log" | tail -n 4
-grep -E "^  (PASS|MISS)|targets met|conv" "$OUT/bench.log"; tail -n 9 "$OUT/overhead.log"
+for f in conformance pytest; do
+  [ -f "$OUT/$f.log" ] && { tail -n 3 "$OUT/$f.log"; grep -E "^FAILED|^ERROR" "$OUT/$f.log" | head -20; }
+done
+[ -f "$OUT/sanitizer.log" ] && grep -E "ERROR SUMMARY|passed|failed|rc=" "$OUT/sanitizer.log" | tail -n 4
+[ -f "$OUT/bench.log" ] && grep -E "^  (PASS|MISS)|targets met|conv" "$OUT/bench.log"
+[ -f "$OUT/overhead.log" ] && grep -E "^==|fwd|floor" "$OUT/overhead.log"
 [ -f "$OUT/tune.log" ] && cat "$OUT/tune.log"
+exit 0

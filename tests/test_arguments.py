@@ -107,3 +107,70 @@ def test_instantiation_table():
 def test_import_does_not_import_torch():
     code = "import sys, cupy_act; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_launch_makes_the_kernels_context_current(monkeypatch):
+    """The launcher's context check, with the driver calls recorded (no GPU)."""
+    from cupy_act import _launch
+    from cupy_act._loader import Kernel
+
+    calls = []
+    current = {"ctx": 0}
+    monkeypatch.setattr(_launch, "_ctx_get_current", lambda: current["ctx"])
+
+    def set_current(ctx):
+        calls.append(("set", ctx))
+        current["ctx"] = ctx
+
+    monkeypatch.setattr(_launch, "_ctx_set_current", set_current)
+    monkeypatch.setattr(_launch, "_launch_kernel",
+                        lambda *a: calls.append(("launch", current["ctx"])))
+    k = Kernel(ptr=1, threads=128, per_block=512, max_blocks=10, wide=False, ctx=0xC0, function=None)
+    # no context current (a fresh thread): made current and left current
+    _launch.launch(k, 0, 100, 0, 0)
+    assert calls == [("set", 0xC0), ("launch", 0xC0)] and current["ctx"] == 0xC0
+    # the kernel's context current: one check, no switch
+    calls.clear()
+    _launch.launch(k, 0, 100, 0, 0)
+    assert calls == [("launch", 0xC0)]
+    # another device's context current: switched for the launch, then restored
+    calls.clear()
+    current["ctx"] = 0xD1
+    _launch.launch(k, 0, 100, 0, 0)
+    assert calls == [("set", 0xC0), ("launch", 0xC0), ("set", 0xD1)] and current["ctx"] == 0xD1
+
+
+def test_unwritable_kernel_cache_compiles_in_memory(monkeypatch, tmp_path):
+    """CUPY_CACHE_DIR under a file: one warning naming it, then in-memory compiles."""
+    import os
+    import warnings
+
+    from cupy_act import _loader
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.delenv("CUPY_CACHE_IN_MEMORY", raising=False)
+    monkeypatch.setattr(_loader, "_in_memory", False)
+
+    class Module:  # get_function fails as CuPy's does unless compiling in memory
+        def get_function(self, name):
+            if os.environ.get("CUPY_CACHE_IN_MEMORY") != "1":
+                raise FileNotFoundError(2, "No such file or directory", str(blocker / "cache"))
+            return name
+
+    with pytest.warns(RuntimeWarning, match=r"a_file/cache.*cannot be written.*Set CUPY_CACHE_DIR"):
+        assert _loader._get_functions(Module(), ["a", "b"]) == ["a", "b"]
+    assert "CUPY_CACHE_IN_MEMORY" not in os.environ  # restored
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        assert _loader._get_functions(Module(), ["c"]) == ["c"]
+
+    class Broken:  # an OSError that is not about the cache is not swallowed
+        def get_function(self, name):
+            raise OSError("libnvrtc.so: cannot open shared object file")
+
+    monkeypatch.setattr(_loader, "_in_memory", False)
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "writable"))
+    with pytest.raises(OSError, match="libnvrtc"):
+        _loader._get_functions(Broken(), ["a"])

@@ -36,9 +36,18 @@ except AttributeError:  # pragma: no cover - older or CPU-only builds
 
 
 def is_channels_last(x: torch.Tensor) -> bool:
-    """Dense channels-last (and not also C-contiguous): processed in memory order."""
+    """Dense channels-last (and not also C-contiguous): processed in memory order.
+
+    False for a vmap BatchedTensor, whose memory format cannot be queried: the
+    vmap rules in ``_autograd`` hand the kernels contiguous physical tensors.
+    """
     fmt = _CL_FORMAT.get(x.dim())
-    return fmt is not None and not x.is_contiguous() and x.is_contiguous(memory_format=fmt)
+    if fmt is None or x.is_contiguous():
+        return False
+    try:
+        return x.is_contiguous(memory_format=fmt)
+    except RuntimeError:  # "NYI: querying is_contiguous inside of vmap ..."
+        return False
 
 
 def arrange(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
@@ -76,11 +85,6 @@ def _launch_cuda(kind, op, x, y, mask, bias, slope, divisor, channels_last) -> N
     if n == 0:
         return
     dev = x.get_device()
-    if _get_device() != dev:  # the kernel handle belongs to dev's context
-        import cupy
-
-        with cupy.cuda.Device(dev):
-            return _launch_cuda(kind, op, x, y, mask, bias, slope, divisor, channels_last)
     kernel, s, scale = _plan(dev, op, x.dtype, kind, bias is not None, slope, divisor)
     inner = channels = 1
     bias_ptr = 0
@@ -93,17 +97,60 @@ def _launch_cuda(kind, op, x, y, mask, bias, slope, divisor, channels_last) -> N
                    bias_ptr, inner, channels, s, scale)
 
 
-def _get_device() -> int:
-    import cupy
-
-    global _get_device
-    _get_device = cupy.cuda.runtime.getDevice  # bind once
-    return _get_device()
-
-
-# ---- CPU reference path: plain torch, same semantics, same packed mask ----
+# ---- masks as torch tensors, and the plain-torch path (CPU; vmap rules) ----
+#
+# A mask lists its elements in the order the kernels walk them: C order, or for
+# a channels-last input its memory order (N, spatial..., C). The plain-torch
+# path below keeps the same order, so a mask means the same on every device.
 
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def _cl_perm(dim: int) -> tuple[int, ...]:
+    """The permutation that puts a channels-last tensor's axes in memory order."""
+    return (0, *range(2, dim), 1)
+
+
+def pack_rows(bits: torch.Tensor) -> torch.Tensor:
+    """(rows, n) booleans -> (rows, mask_nbytes(n)) packed masks, one per row."""
+    rows, n = bits.shape
+    padded = torch.zeros(rows, mask_nbytes(n) * 8, dtype=torch.uint8, device=bits.device)
+    padded[:, :n] = bits
+    weights = _BIT_WEIGHTS.to(bits.device)
+    return (padded.view(rows, -1, 8) * weights).sum(-1, dtype=torch.uint8)
+
+
+def unpack_bits(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n bits of each packed mask along the last axis, as booleans."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)
+    return ((mask.unsqueeze(-1) >> shifts) & 1).flatten(-2)[..., :n].bool()
+
+
+def bits_to_mask(bits: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """Booleans of x's shape -> x's packed mask, in the kernels' element order."""
+    if channels_last:
+        bits = bits.permute(_cl_perm(bits.dim()))
+    return pack_rows(bits.reshape(1, -1))[0]
+
+
+def mask_to_bits(mask: torch.Tensor, shape, channels_last: bool) -> torch.Tensor:
+    """Packed masks (..., nbytes) -> booleans (..., *shape): the inverse of bits_to_mask."""
+    lead = tuple(mask.shape[:-1])
+    flat = unpack_bits(mask, math.prod(shape))
+    if not channels_last:
+        return flat.view(*lead, *shape)
+    perm = _cl_perm(len(shape))
+    inverse = sorted(range(len(perm)), key=perm.__getitem__)
+    k = len(lead)
+    return flat.view(*lead, *(shape[p] for p in perm)).permute(*range(k), *(k + i for i in inverse))
+
+
+def per_sample_masks(mask: torch.Tensor, batch: int, n: int) -> torch.Tensor:
+    """The mask of ``batch`` stacked samples of n elements -> (batch, mask_nbytes(n)):
+    a free view when n % 128 == 0 (each sample's mask ends on a 16-byte boundary)."""
+    if n % 128 == 0:
+        return mask.view(batch, mask_nbytes(n))
+    return pack_rows(unpack_bits(mask, batch * n).view(batch, n))
 
 
 def _pre_cpu(op, x, divisor, bias):
@@ -112,21 +159,6 @@ def _pre_cpu(op, x, divisor, bias):
     if bias is not None:
         x = x + bias.view(1, -1, *([1] * (x.dim() - 2)))
     return x / divisor
-
-
-def pack_bits(bits: torch.Tensor) -> torch.Tensor:
-    """Booleans (any shape, C order) -> the packed mask of mask_nbytes(n) bytes."""
-    flat = bits.reshape(-1).to(torch.uint8)
-    n = flat.numel()
-    padded = torch.zeros(mask_nbytes(n) * 8, dtype=torch.uint8, device=bits.device)
-    padded[:n] = flat
-    return (padded.view(-1, 8) * _BIT_WEIGHTS.to(bits.device)).sum(1, dtype=torch.uint8)
-
-
-def unpack_bits(mask: torch.Tensor, n: int) -> torch.Tensor:
-    """The first n bits of a packed mask, as booleans."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)
-    return ((mask.unsqueeze(1) >> shifts) & 1).reshape(-1)[:n].bool()
 
 
 def _forward_cpu(op, x, slope, divisor, bias):
@@ -139,9 +171,12 @@ def _bits_cpu(op, t):
     return ~(t <= 0) if op == "relu" else t > 0
 
 
-def _backward_cpu(op, dy, mask, slope, divisor):
-    # The same ATen kernels autograd uses, fed a stand-in for x whose sign is the bit.
-    sign = torch.empty_like(dy).copy_(unpack_bits(mask, dy.numel()).view(dy.shape))
+def backward_from_bits(op, dy, bits, slope, divisor):
+    """dx from dy and the bits (any device, any shape dy and bits share).
+
+    The same ATen kernels autograd uses, fed a stand-in for x whose sign is the bit.
+    """
+    sign = torch.empty_like(dy).copy_(bits)
     if op == "relu":
         return torch.ops.aten.threshold_backward(dy, sign, 0)
     dx = torch.ops.aten.leaky_relu_backward(dy, sign, slope, False)
@@ -187,7 +222,7 @@ def forward_mask_layout(x, op: str, slope: float, divisor: float, bias):
     if not x.is_cuda:
         cl = is_channels_last(x)
         y, t = _forward_cpu(op, x, slope, divisor, bias)
-        return arrange(y, cl), pack_bits(_bits_cpu(op, t)), cl
+        return arrange(y, cl), bits_to_mask(_bits_cpu(op, t), cl), cl
     x, cl = _layout(x)
     y = torch.empty_like(x)
     mask = new_mask(x)
@@ -199,7 +234,7 @@ def forward_mask_(x, op: str, slope: float, divisor: float, bias, with_mask: boo
     """In place: x = op(x); returns the mask (or None without ``with_mask``)."""
     if not x.is_cuda:
         y, t = _forward_cpu(op, x, slope, divisor, bias)
-        mask = pack_bits(_bits_cpu(op, t)) if with_mask else None
+        mask = bits_to_mask(_bits_cpu(op, t), is_channels_last(x)) if with_mask else None
         x.copy_(y)
         return mask
     work, cl = _layout(x)
@@ -214,7 +249,8 @@ def forward_mask_(x, op: str, slope: float, divisor: float, bias, with_mask: boo
 def backward(dy, mask, op: str, slope: float, divisor: float, channels_last: bool):
     """dx from dy and the mask; the layout flag says the mask's element order."""
     if not dy.is_cuda:
-        return arrange(_backward_cpu(op, dy, mask, slope, divisor), channels_last)
+        bits = mask_to_bits(mask, dy.shape, channels_last)
+        return arrange(backward_from_bits(op, dy, bits, slope, divisor), channels_last)
     if not (dy.is_contiguous() and not channels_last):
         dy = arrange(dy, channels_last)
     dx = torch.empty_like(dy)

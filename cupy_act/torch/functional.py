@@ -1,82 +1,32 @@
 """Functional API with ``torch.nn.functional``'s conventions.
 
-Eager calls go straight to the tensor-level implementation: an autograd
-Function saves only the 1-bit mask, and with no gradient needed no mask is
-made at all. Under ``torch.compile`` the same calls go through the
-``torch.library`` custom ops (``_library.py``), which the compiler sees as
-opaque nodes with fake implementations and registered autograd formulas.
+``_apply`` picks one of four routes per call, cheapest first where it is safe:
+
+- no gradient, no transform: the kernel alone (``_impl``), no mask made;
+- eager autograd: ``_autograd.Act`` through the C++ ``Function.apply`` (the
+  Python wrapper costs about 2 us per call), or ``ActInplace`` in place;
+- torch.func transforms or forward-mode AD: ``Act.apply`` or
+  ``ActInplace.apply``, whose ``vmap`` and ``jvp`` rules the transforms call;
+- torch.compile: the ``torch.library`` custom ops (``_library.py``), which the
+  compiler sees as opaque nodes with fake implementations and autograd.
 """
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from .._arrays import SUPPORTED
 from .._scalars import check_divisor, check_real
-from . import _impl, _library
+from . import _autograd, _impl, _library
 
 __all__ = ["relu", "leaky_relu", "div_leaky_relu"]
 
 Tensor = torch.Tensor
-
-
-class _Backward(torch.autograd.Function):
-    """dx = f'(mask) * dy. Linear in dy, so its own backward is itself (double backward)."""
-
-    @staticmethod
-    def forward(ctx, dy, mask, op, slope, divisor, channels_last):
-        ctx.save_for_backward(mask)
-        ctx.args = (op, slope, divisor, channels_last)
-        return _impl.backward(dy, mask, op, slope, divisor, channels_last)
-
-    @staticmethod
-    def backward(ctx, ggx):
-        (mask,) = ctx.saved_tensors
-        return _Backward.apply(ggx, mask, *ctx.args), None, None, None, None, None
-
-
-def _dx(ctx, gy):
-    (mask,) = ctx.saved_tensors
-    if torch.is_grad_enabled():  # create_graph=True: keep the backward differentiable
-        return _Backward.apply(gy, mask, *ctx.args)
-    return _impl.backward(gy, mask, *ctx.args)
-
-
-class _Act(torch.autograd.Function):
-    """y = f(x [+ bias]); saves the mask only."""
-
-    @staticmethod
-    def forward(ctx, x, bias, op, slope, divisor):
-        y, mask, cl = _impl.forward_mask_layout(x, op, slope, divisor, bias)
-        ctx.save_for_backward(mask)
-        ctx.args = (op, slope, divisor, cl)
-        return y
-
-    @staticmethod
-    def backward(ctx, gy):
-        dx = _dx(ctx, gy)
-        gb = _library.bias_grad(dx) if ctx.needs_input_grad[1] else None
-        return dx, gb, None, None, None
-
-
-class _ActInplace(torch.autograd.Function):
-    """x = f(x [+ bias]) in place (marked dirty: its version counter moves)."""
-
-    @staticmethod
-    def forward(ctx, x, bias, op, slope, divisor):
-        ctx.args = (op, slope, divisor, _impl.is_channels_last(x))
-        if torch.compiler.is_compiling():
-            mask = _library.forward_mask_inplace_op(x, op, slope, divisor, bias)
-        else:
-            mask = _impl.forward_mask_(x, op, slope, divisor, bias)
-        ctx.mark_dirty(x)
-        ctx.save_for_backward(mask)
-        return x
-
-    backward = _Act.backward
 
 
 def _check(fname: str, x, divisor, slope, bias) -> None:
@@ -102,19 +52,39 @@ def _check(fname: str, x, divisor, slope, bias) -> None:
             )
 
 
-# Function.apply's Python wrapper binds arguments and unwraps dead functorch
-# wrappers on every call (about 2 us); outside functorch transforms the C++
-# apply it ends in is called directly, after the same unwrapping of x and bias.
-_are_functorch_transforms_active = torch._C._are_functorch_transforms_active
-_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
-_act_apply = super(torch.autograd.Function, _Act).apply
+# Private torch APIs on the hot path, each with a public fallback that is
+# slower but gives the same results, so a torch upgrade costs speed only:
+# - Function.apply's Python wrapper binds arguments and unwraps dead functorch
+#   wrappers (about 2 us); outside transforms we call the C++ apply it ends in,
+#   after the same unwrapping of x and bias;
+# - forward-mode AD is active iff a dual level is open (a module global).
+_functorch_active = _autograd._functorch_active
+try:
+    _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+    _act_apply = super(torch.autograd.Function, _autograd.Act).apply
+
+    def _act(x, bias, op, slope, divisor):
+        return _act_apply(_unwrap_if_dead(x), None if bias is None else _unwrap_if_dead(bias),
+                          op, slope, divisor)[0]
+except AttributeError:  # pragma: no cover - depends on the torch version
+
+    def _act(x, bias, op, slope, divisor):
+        return _autograd.Act.apply(x, bias, op, slope, divisor)[0]
 
 
-def _act(x, bias, op, slope, divisor):
-    if _are_functorch_transforms_active():
-        return _Act.apply(x, bias, op, slope, divisor)
-    return _act_apply(_unwrap_if_dead(x), None if bias is None else _unwrap_if_dead(bias),
-                      op, slope, divisor)
+# (read inline in _apply; without the private global, a stand-in says "active")
+_fwd_levels = (_forward_ad if isinstance(getattr(_forward_ad, "_current_level", None), int)
+               else SimpleNamespace(_current_level=0))
+
+
+def _forward_ad_active() -> bool:
+    return _fwd_levels._current_level >= 0
+
+
+def _needs_grad(x, bias) -> bool:
+    return torch.is_grad_enabled() and (
+        x.requires_grad or (bias is not None and bias.requires_grad)
+    )
 
 
 def _apply(fname, op, x, slope, divisor, bias, inplace):
@@ -122,26 +92,34 @@ def _apply(fname, op, x, slope, divisor, bias, inplace):
     slope, divisor = float(slope), float(divisor)
     if bias is not None:
         bias = bias.contiguous()
-    needs_grad = torch.is_grad_enabled() and (
-        x.requires_grad or (bias is not None and bias.requires_grad)
-    )
-    compiling = torch.compiler.is_compiling()
+    if torch.compiler.is_compiling():
+        return _compiled(op, x, slope, divisor, bias, inplace)
+    if _functorch_active() or _fwd_levels._current_level >= 0:  # transforms, forward AD
+        fn = _autograd.ActInplace if inplace else _autograd.Act
+        return fn.apply(x, bias, op, slope, divisor)[0]
+    needs_grad = _needs_grad(x, bias)
     if inplace:
         if needs_grad:
-            return _ActInplace.apply(x, bias, op, slope, divisor)
-        if compiling:
-            _library.forward_mask_inplace_op(x, op, slope, divisor, bias)
-        else:
-            _impl.forward_mask_(x, op, slope, divisor, bias, with_mask=False)
-            torch.autograd.graph.increment_version(x)
+            return _autograd.ActInplace.apply(x, bias, op, slope, divisor)[0]
+        _impl.forward_mask_(x, op, slope, divisor, bias, with_mask=False)
+        torch.autograd.graph.increment_version(x)
         return x
-    if compiling:
-        if needs_grad:
-            return _library.forward_mask_op(x, op, slope, divisor, bias)[0]
-        return _library.forward_op(x, op, slope, divisor, bias)
     if needs_grad:
         return _act(x, bias, op, slope, divisor)
     return _impl.forward(x, op, slope, divisor, bias)
+
+
+def _compiled(op, x, slope, divisor, bias, inplace):
+    """The route under torch.compile: the custom ops, which carry their own autograd."""
+    needs_grad = _needs_grad(x, bias)
+    if inplace:
+        if needs_grad:
+            return _autograd.ActInplaceCompiled.apply(x, bias, op, slope, divisor)
+        _library.forward_mask_inplace_op(x, op, slope, divisor, bias)
+        return x
+    if needs_grad:
+        return _library.forward_mask_op(x, op, slope, divisor, bias)[0]
+    return _library.forward_op(x, op, slope, divisor, bias)
 
 
 def relu(input: Tensor, inplace: bool = False) -> Tensor:

@@ -1,0 +1,39 @@
+"""The conformance suite: every row of tests/conformance_rows.py, each in a fresh
+subprocess (first use of a process, thread, device or kernel cache is what
+several rows test, and earlier tests in this process would hide it)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from conformance_rows import ROWS  # noqa: E402
+from conftest import GPU_COUNT  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "conformance_rows.py"
+
+
+PARAMS = [
+    pytest.param(name, device, marks=[pytest.mark.gpu] if device.startswith("cuda") else [],
+                 id=f"{name}-{device}")
+    for name, r in ROWS.items() for device in r.devices
+]
+
+
+@pytest.mark.parametrize("name,device", PARAMS)
+def test_row(name, device):
+    r = ROWS[name]
+    gpus = max(r.gpus, 2 if device == "cuda:1" else 0)
+    if GPU_COUNT < gpus:
+        pytest.skip(f"needs {gpus} GPUs, found {GPU_COUNT}")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **(r.env or {}))
+    proc = subprocess.run([*(r.launcher or (sys.executable,)), str(SCRIPT), name, device],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert f"PASS {name} {device}" in proc.stdout, out[-6000:]
