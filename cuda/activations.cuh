@@ -16,15 +16,12 @@ namespace cupy_act {
 template <typename T_>
 struct Relu {
   typedef T_ T;
-  static constexpr int kIndex = 0;  // row of kUnrollTable (order of cupy_act._kernels.OPS)
   __device__ explicit Relu(const Params&) {}
   __device__ __forceinline__ T forward(T x, bool& bit) const {
     bit = not_at_most_zero(x);
     return bit ? x : Num<T>::zero();
   }
-  __device__ __forceinline__ T backward(T dy, bool bit) const {
-    return bit ? dy : Num<T>::zero();
-  }
+  __device__ __forceinline__ T backward(T dy, bool bit) const { return bit ? dy : Num<T>::zero(); }
 };
 
 // leaky_relu: `x > 0 ? x : x * slope` in the op type, rounded once. NaN is not
@@ -36,7 +33,6 @@ struct Relu {
 template <typename T_>
 struct LeakyRelu {
   typedef T_ T;
-  static constexpr int kIndex = 1;
   typedef typename Num<T>::op_t op_t;
   op_t slope;
   __device__ explicit LeakyRelu(const Params& p) : slope(scalar_from_bits<op_t>(p.slope)) {}
@@ -60,7 +56,6 @@ struct LeakyRelu {
 template <typename T_>
 struct DivLeakyRelu {
   typedef T_ T;
-  static constexpr int kIndex = 2;
   typedef typename Num<T>::op_t op_t;
   LeakyRelu<T> leaky;
   op_t scale;

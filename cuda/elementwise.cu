@@ -1,8 +1,8 @@
 // elementwise.cu: the one generic kernel behind every op and kind.
 //
-//   act_kernel<Op, FORWARD, bias>       y = op(x)
-//   act_kernel<Op, FORWARD_MASK, bias>  y = op(x) and the mask, in one pass
-//   act_kernel<Op, BACKWARD, false>     dx = op'(dy, mask); x is never read
+//   act_kernel<Op, FORWARD, bias, U>       y = op(x)
+//   act_kernel<Op, FORWARD_MASK, bias, U>  y = op(x) and the mask, in one pass
+//   act_kernel<Op, BACKWARD, false, U>     dx = op'(dy, mask); x is never read
 // With bias, x + bias[channel] (rounded to T) is what the op sees.
 //
 // Mask format: bit (i % 32) of 32-bit word (i / 32) holds element i's bit, so
@@ -28,30 +28,21 @@ namespace cupy_act {
 
 enum Kind { FORWARD = 0, FORWARD_MASK = 1, BACKWARD = 2 };
 
-// Launch shape, set by cupy_act/_loader.py through -D options (the defaults here
-// are the same values). scripts/tune.py measured them on an H200.
+// Block size and the streaming switch, set by cupy_act/_loader.py through -D
+// options (the defaults here are the same values). The vectors per thread
+// (kUnroll) differ per op, kind and dtype and are a template argument, taken
+// from cupy_act/_registry.py; scripts/tune.py measured them on an H200.
 #ifndef CUPY_ACT_THREADS
 #define CUPY_ACT_THREADS 128
-#endif
-// 16-byte vectors per thread and trip, [op][kind][item size 2, 4, 8]; with a
-// mask, at most G = 32 / V, so that a tile's mask words fit one warp-wide store.
-#ifndef CUPY_ACT_UNROLL_TABLE
-#define CUPY_ACT_UNROLL_TABLE \
-  {{{2, 1, 1}, {2, 2, 2}, {2, 1, 1}}, {{1, 1, 1}, {2, 2, 2}, {1, 1, 1}}, {{2, 1, 1}, {2, 2, 2}, {1, 1, 1}}}
 #endif
 #ifndef CUPY_ACT_STREAMING
 #define CUPY_ACT_STREAMING 0
 #endif
 constexpr int kThreads = CUPY_ACT_THREADS;  // threads per block
-constexpr int kUnrollTable[3][3][3] = CUPY_ACT_UNROLL_TABLE;
 
-template <class Op, int K>
-struct Unroll {
-  static constexpr int size = sizeof(typename Op::T);
-  static constexpr int value = kUnrollTable[Op::kIndex][K][size == 2 ? 0 : (size == 4 ? 1 : 2)];
+struct __align__(16) Raw16 {
+  u32 w[4];
 };
-
-struct __align__(16) Raw16 { u32 w[4]; };
 
 // 16-byte global accesses; with CUPY_ACT_STREAMING the .cs (evict-first) forms,
 // since every byte is touched exactly once.
@@ -59,7 +50,8 @@ __device__ __forceinline__ Raw16 load16(const void* p) {
 #if CUPY_ACT_STREAMING
   Raw16 r;
   asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.w[0]), "=r"(r.w[1]), "=r"(r.w[2]), "=r"(r.w[3]) : "l"(p));
+               : "=r"(r.w[0]), "=r"(r.w[1]), "=r"(r.w[2]), "=r"(r.w[3])
+               : "l"(p));
   return r;
 #else
   return *static_cast<const Raw16*>(p);
@@ -67,8 +59,9 @@ __device__ __forceinline__ Raw16 load16(const void* p) {
 }
 __device__ __forceinline__ void store16(void* p, const Raw16& v) {
 #if CUPY_ACT_STREAMING
-  asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};"
-               :: "l"(p), "r"(v.w[0]), "r"(v.w[1]), "r"(v.w[2]), "r"(v.w[3]) : "memory");
+  asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.w[0]), "r"(v.w[1]),
+               "r"(v.w[2]), "r"(v.w[3])
+               : "memory");
 #else
   *static_cast<Raw16*>(p) = v;
 #endif
@@ -89,8 +82,10 @@ __device__ __forceinline__ long long quot(long long a, long long d, double inv) 
   if (a >> 45) return a / d;  // beyond the bound (never for real tensors)
   long long q = (long long)((double)a * inv);
   const long long r = a - q * d;
-  if (r < 0) --q;
-  else if (r >= d) ++q;
+  if (r < 0)
+    --q;
+  else if (r >= d)
+    ++q;
   return q;
 }
 
@@ -137,12 +132,13 @@ __device__ __forceinline__ Pack<T> vector_bias(const T* bias, long long i, int m
   return b;
 }
 
-template <class Op, int K, bool HasBias>
+// kUnroll: 16-byte vectors per thread and trip; with a mask, at most G = 32 / V,
+// so that a tile's mask words fit one warp-wide store.
+template <class Op, int K, bool HasBias, int kUnroll>
 __global__ void __launch_bounds__(kThreads) act_kernel(const Params p) {
   typedef typename Op::T T;
-  constexpr int kUnroll = Unroll<Op, K>::value;
-  constexpr int V = 16 / sizeof(T);             // elements per 16-byte vector
-  constexpr int G = 32 / V;                     // lanes whose bits share a mask word
+  constexpr int V = 16 / sizeof(T);  // elements per 16-byte vector
+  constexpr int G = 32 / V;          // lanes whose bits share a mask word
   static_assert(K != FORWARD_MASK || kUnroll <= G, "a tile's mask words must fit one store");
   constexpr long long kStep = 32LL * V;         // elements per warp-wide vector
   constexpr long long kTile = kStep * kUnroll;  // elements per warp per trip

@@ -20,8 +20,12 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 
 // Half-precision storage types: 16 raw bits, converted explicitly.
-struct half_t { u16 bits; };
-struct bfloat16_t { u16 bits; };
+struct half_t {
+  u16 bits;
+};
+struct bfloat16_t {
+  u16 bits;
+};
 
 // Round-to-nearest-even arithmetic on the op type, no flush to zero.
 __device__ __forceinline__ float mul_rn(float a, float b) {
@@ -48,9 +52,11 @@ __device__ __forceinline__ double mul_rn(double a, double b) {
 
 // Num<T>: the op type (PyTorch's at::opmath_type: float for 16-bit types), the
 // signed integer view of the bits, and the conversions T <-> op type.
-template <typename T> struct Num;
+template <typename T>
+struct Num;
 
-template <> struct Num<float> {
+template <>
+struct Num<float> {
   typedef float op_t;
   typedef int sbits_t;
   static constexpr sbits_t kInf = 0x7f800000;  // bits of +inf
@@ -61,7 +67,8 @@ template <> struct Num<float> {
   static __device__ __forceinline__ float from_op(op_t x) { return x; }
 };
 
-template <> struct Num<double> {
+template <>
+struct Num<double> {
   typedef double op_t;
   typedef long long sbits_t;
   static constexpr sbits_t kInf = 0x7ff0000000000000LL;
@@ -72,13 +79,18 @@ template <> struct Num<double> {
   static __device__ __forceinline__ double from_op(op_t x) { return x; }
 };
 
-template <> struct Num<half_t> {
+template <>
+struct Num<half_t> {
   typedef float op_t;
   typedef short sbits_t;
   static constexpr sbits_t kInf = 0x7c00;
   static constexpr sbits_t kAbs = 0x7fff;
   static __device__ __forceinline__ sbits_t bits(half_t x) { return (short)x.bits; }
-  static __device__ __forceinline__ half_t zero() { half_t h; h.bits = 0; return h; }
+  static __device__ __forceinline__ half_t zero() {
+    half_t h;
+    h.bits = 0;
+    return h;
+  }
   // What __half2float / __float2half emit (c10::Half's conversions on CUDA).
   static __device__ __forceinline__ op_t to_op(half_t x) {
     float f;
@@ -92,13 +104,18 @@ template <> struct Num<half_t> {
   }
 };
 
-template <> struct Num<bfloat16_t> {
+template <>
+struct Num<bfloat16_t> {
   typedef float op_t;
   typedef short sbits_t;
   static constexpr sbits_t kInf = 0x7f80;
   static constexpr sbits_t kAbs = 0x7fff;
   static __device__ __forceinline__ sbits_t bits(bfloat16_t x) { return (short)x.bits; }
-  static __device__ __forceinline__ bfloat16_t zero() { bfloat16_t h; h.bits = 0; return h; }
+  static __device__ __forceinline__ bfloat16_t zero() {
+    bfloat16_t h;
+    h.bits = 0;
+    return h;
+  }
   // What __bfloat162float / __float2bfloat16 emit (c10::BFloat16 on CUDA): the
   // cvt instructions where the architecture has them, else the exact software
   // equivalents (a shift up; round-to-nearest-even down, NaN -> 0x7fff).
@@ -144,11 +161,14 @@ __device__ __forceinline__ bool not_at_most_zero(T x) {
 }
 
 // An op-type scalar from the 64 bits the host packed (float in the low half).
-template <typename OpT> __device__ __forceinline__ OpT scalar_from_bits(u64 b);
-template <> __device__ __forceinline__ float scalar_from_bits<float>(u64 b) {
+template <typename OpT>
+__device__ __forceinline__ OpT scalar_from_bits(u64 b);
+template <>
+__device__ __forceinline__ float scalar_from_bits<float>(u64 b) {
   return __int_as_float((int)(u32)b);
 }
-template <> __device__ __forceinline__ double scalar_from_bits<double>(u64 b) {
+template <>
+__device__ __forceinline__ double scalar_from_bits<double>(u64 b) {
   return __longlong_as_double((long long)b);
 }
 

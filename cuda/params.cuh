@@ -15,10 +15,10 @@ struct Params {
   long long mask_words;  // 32-bit words in the mask buffer (padding included)
   long long inner;       // bias channel of element i is (i / inner) % channels
   long long channels;
-  u64 slope;             // op-type bits of negative_slope (float: low 32 bits)
-  u64 scale;             // op-type bits of 1 / divisor (taken in double, then rounded)
-  u64 alpha;             // op-type bits of 1: the bias multiplier (see add_bias)
-  double inv_inner;      // 1 / inner and 1 / channels in double, for quot() in elementwise.cu
+  u64 slope;         // op-type bits of negative_slope (float: low 32 bits)
+  u64 scale;         // op-type bits of 1 / divisor (taken in double, then rounded)
+  u64 alpha;         // op-type bits of 1: the bias multiplier (see add_bias)
+  double inv_inner;  // 1 / inner and 1 / channels in double, for quot() in elementwise.cu
   double inv_channels;
 };
 

@@ -30,8 +30,10 @@ def cpu_checks() -> int:
         ptx, log, names = _loader.compile_ptx(arch)
         ok = not log.strip() and ".ftz" not in ptx and len(names) > 0
         failures += not ok
-        _say(f"  NVRTC sm_{arch}: {len(names)} kernels, {time.perf_counter() - t0:.1f} s, "
-             f"{'ok' if ok else 'FAILED: ' + log.strip()}")
+        _say(
+            f"  NVRTC sm_{arch}: {len(names)} kernels, {time.perf_counter() - t0:.1f} s, "
+            f"{'ok' if ok else 'FAILED: ' + log.strip()}"
+        )
     return failures
 
 
@@ -41,27 +43,33 @@ def gpu_checks(size: int) -> int:
     import torch
 
     import cupy_act
+
     from . import testing
 
     failures = 0
-    cases = [("relu", {}, {}), ("leaky_relu", {"negative_slope": 0.2}, {"slope": 0.2}),
-             ("div_leaky_relu", {"divisor": 2.0, "negative_slope": 0.01},
-              {"divisor": 2.0, "slope": 0.01})]
     for dtype in testing.DTYPES:
-        for op, kw, rkw in cases:
+        for op, slope, divisor in testing.cases(slopes=(0.2,), divided=((0.01, 2.0),)):
+            kw, rkw = testing.op_kwargs(op, slope, divisor), {"slope": slope, "divisor": divisor}
             xt = testing.make_input(size, dtype, seed=1)
             dyt = testing.make_input(size, dtype, seed=2)
             x = cupy.from_dlpack(xt)
             try:
                 y = getattr(cupy_act, op)(x, **kw)
-                testing.assert_bits_equal(torch.from_dlpack(y), testing.forward(op, xt, **rkw), "forward")
+                testing.assert_bits_equal(
+                    torch.from_dlpack(y), testing.forward(op, xt, **rkw), "forward"
+                )
                 y, m = getattr(cupy_act, op + "_with_mask")(x, **kw)
-                testing.assert_bits_equal(torch.from_dlpack(y), testing.forward(op, xt, **rkw), "with mask")
+                testing.assert_bits_equal(
+                    torch.from_dlpack(y), testing.forward(op, xt, **rkw), "with mask"
+                )
                 bits = torch.from_dlpack(cupy_act.unpack_mask(m, size))
-                assert torch.equal(bits, testing.mask_bits(op, xt, rkw.get("divisor"))), "mask bits differ"
+                assert torch.equal(bits, testing.mask_bits(op, xt, rkw.get("divisor"))), (
+                    "mask bits differ"
+                )
                 dx = getattr(cupy_act, op + "_backward")(cupy.from_dlpack(dyt), m, **kw)
-                testing.assert_bits_equal(torch.from_dlpack(dx), testing.backward(op, xt, dyt, **rkw),
-                                          "backward")
+                testing.assert_bits_equal(
+                    torch.from_dlpack(dx), testing.backward(op, xt, dyt, **rkw), "backward"
+                )
                 status = "ok"
             except AssertionError as e:
                 failures += 1
@@ -77,6 +85,7 @@ def short_benchmark(n: int) -> None:
     import torch.nn.functional as F
 
     import cupy_act
+
     from . import testing
 
     x = torch.randn(n, device="cuda")
@@ -92,17 +101,28 @@ def short_benchmark(n: int) -> None:
         ("device copy", lambda: y.copy_(x), 8 * n),
         ("torch F.leaky_relu", lambda: F.leaky_relu(x, 0.01), 8 * n),
         ("cupy_act leaky_relu", lambda: cupy_act.leaky_relu(cx, 0.01, out=cy), 8 * n),
-        ("cupy_act leaky_relu_with_mask",
-         lambda: cupy_act.leaky_relu_with_mask(cx, 0.01, out=cy, mask=mask), 8 * n + n // 8),
-        ("torch leaky_relu_backward",
-         lambda: torch.ops.aten.leaky_relu_backward(dy, x, 0.01, False), 12 * n),
-        ("cupy_act leaky_relu_backward",
-         lambda: cupy_act.leaky_relu_backward(cdy, mask, 0.01, out=cy), 8 * n + n // 8),
+        (
+            "cupy_act leaky_relu_with_mask",
+            lambda: cupy_act.leaky_relu_with_mask(cx, 0.01, out=cy, mask=mask),
+            8 * n + n // 8,
+        ),
+        (
+            "torch leaky_relu_backward",
+            lambda: torch.ops.aten.leaky_relu_backward(dy, x, 0.01, False),
+            12 * n,
+        ),
+        (
+            "cupy_act leaky_relu_backward",
+            lambda: cupy_act.leaky_relu_backward(cdy, mask, 0.01, out=cy),
+            8 * n + n // 8,
+        ),
         ("torch x / 2 then F.leaky_relu", lambda: F.leaky_relu(x / 2, 0.01), 16 * n),
         ("cupy_act div_leaky_relu", lambda: cupy_act.div_leaky_relu(cx, 2, out=cy), 8 * n),
     ]
-    _say(f"\n  float32, {n} elements, {torch.cuda.get_device_name()}; per call, median of 10 "
-         f"CUDA-event timings of 5 calls each")
+    _say(
+        f"\n  float32, {n} elements, {torch.cuda.get_device_name()}; per call, median of 10 "
+        f"CUDA-event timings of 5 calls each"
+    )
     _say(f"  {'':32s} {'ms':>8s} {'GB/s':>7s} {'% of copy BW':>13s}")
     copy_bw = None
     for name, fn, nbytes in cases:  # printed as measured
@@ -113,8 +133,11 @@ def short_benchmark(n: int) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cupy_act", description=__doc__.splitlines()[0])
-    ap.add_argument("--precompile", action="store_true",
-                    help="compile every kernel for the current GPU now and report the time")
+    ap.add_argument(
+        "--precompile",
+        action="store_true",
+        help="compile every kernel for the current GPU now and report the time",
+    )
     ap.add_argument("--size", type=int, default=(1 << 20) + 7, help="elements per check")
     ap.add_argument("--bench-size", type=int, default=1 << 28, help="elements in the benchmark")
     args = ap.parse_args(argv)

@@ -89,8 +89,23 @@ def launch(
     blocks = min(-(-n // kernel.per_block), kernel.max_blocks)
     pack = _PARAMS_F64 if kernel.wide else _PARAMS_F32
     s = _scratch
-    pack.pack_into(s.buf, 0, x, y, mask, bias, n, mask_words, inner, channels, slope, scale, 1.0,
-                   1.0 / inner, 1.0 / channels)
+    pack.pack_into(
+        s.buf,
+        0,
+        x,
+        y,
+        mask,
+        bias,
+        n,
+        mask_words,
+        inner,
+        channels,
+        slope,
+        scale,
+        1.0,
+        1.0 / inner,
+        1.0 / channels,
+    )
     current = _ctx_get_current()
     if current == kernel.ctx:
         _launch_kernel(kernel.ptr, blocks, 1, 1, kernel.threads, 1, 1, 0, stream, s.argv_ptr, 0)

@@ -1,8 +1,11 @@
-"""Compile the kernels (lazily, once per device per process) and hand out handles.
+"""Compile the kernels (lazily, per (op, dtype) and device) and hand out handles.
 
-All instantiations live in one ``cupy.RawModule``; CuPy compiles it with NVRTC
-on the first ``get_function`` on a device and keeps the cubin in its disk cache
+Each (op, dtype) has its own ``cupy.RawModule`` holding that op's kinds (and
+bias variants) for that dtype, so a first call compiles only what it launches
+(a few kernels, not all of them); CuPy compiles it with NVRTC on the first
+``get_function`` on a device and keeps the cubin in its disk cache
 (``~/.cupy/kernel_cache``), so later processes load it without compiling.
+``load(device)`` builds every module (``python -m cupy_act --precompile``).
 ``compile_ptx`` runs NVRTC directly and needs no GPU: the tests use it to check
 every instantiation on CPU-only machines.
 
@@ -20,32 +23,16 @@ import threading
 import warnings
 from typing import NamedTuple
 
-from ._kernels import ITEMSIZE, KINDS, OPS, all_kernel_keys, all_kernel_names
+from ._kernels import DTYPES, ITEMSIZE, all_kernel_names, kernel_name, module_keys, unroll
+from ._registry import OPS
 from ._source import assembled_source
 
-# Launch shape (see cuda/elementwise.cu), measured on an H200 at 4096 x 393216
-# with scripts/tune.py and scripts/bench.py (docs/performance-notes.md):
-# 128-thread blocks; forward and backward, one 16-byte vector per thread for
-# 4- and 8-byte types (99-100% of the copy's speed; two vectors cost 0.3-0.7%,
-# four 2-3%); for 16-bit types two (98.8-99.1% for every op), except where one
-# measured faster: leaky_relu forward and backward (99.7-100.4%) and
-# div_leaky_relu backward (100.2%; relu and div_leaky_relu forward dropped to
-# 95-97% with one). Forward with mask: two in every dtype (float32 1.025-1.036x
-# the copy time, against 1.039-1.051x with one and 1.042-1.050x with eight,
-# which would store whole 128-byte mask lines per warp). Plain (not
-# evict-first) accesses; one block per chunk of work: capping the grid at 8 or
-# 64 waves of resident blocks with a grid-stride loop ran 5-8% slower, so the
-# cap is set far out, where it only bounds the grid of enormous inputs.
+# Launch shape (see cuda/elementwise.cu): 128-thread blocks; the vectors per
+# thread are per op, kind and dtype (_registry.py). Plain (not evict-first)
+# accesses; one block per chunk of work: capping the grid at 8 or 64 waves of
+# resident blocks with a grid-stride loop ran 5-8% slower, so the cap is set
+# far out, where it only bounds the grid of enormous inputs.
 THREADS = 128  # threads per block (kThreads)
-# op -> kind -> itemsize -> 16-byte vectors per thread and trip (forward_mask: at most 32 / V)
-UNROLL = {
-    op: {
-        "forward": {2: 1 if op == "leaky_relu" else 2, 4: 1, 8: 1},
-        "forward_mask": {2: 2, 4: 2, 8: 2},
-        "backward": {2: 2 if op == "relu" else 1, 4: 1, 8: 1},
-    }
-    for op in OPS
-}
 STREAMING = 0  # evict-first loads and stores
 GRID_WAVES = 1024  # grid cap, in multiples of the blocks resident at once
 
@@ -56,20 +43,8 @@ def options() -> tuple[str, ...]:
     return (
         "--std=c++17",
         f"-DCUPY_ACT_THREADS={THREADS}",
-        f"-DCUPY_ACT_UNROLL_TABLE={_unroll_table()}",
         f"-DCUPY_ACT_STREAMING={STREAMING}",
     )
-
-
-def _unroll_table() -> str:
-    """UNROLL as the C initializer of kUnrollTable[op][kind][item size 2, 4, 8]."""
-
-    def braces(items) -> str:
-        return "{" + ",".join(items) + "}"
-
-    kinds = sorted(KINDS, key=KINDS.get)
-    return braces(braces(braces(str(UNROLL[op][k][s]) for s in (2, 4, 8)) for k in kinds)
-                  for op in OPS)
 
 
 CUPY_ADDED_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
@@ -88,52 +63,54 @@ class Kernel(NamedTuple):
 
 
 _lock = threading.Lock()
-_module = None
+_modules: dict[tuple, object] = {}  # (op, dtype) -> cupy.RawModule
 _cache: dict[tuple, Kernel] = {}  # (device, op, dtype, kind, bias) -> Kernel
-_loaded: set[int] = set()
+_loaded: set[tuple] = set()  # (device, op, dtype)
 
 
-def _raw_module():
-    global _module
-    if _module is None:
+def _raw_module(op: str, dtype: str):
+    module = _modules.get((op, dtype))
+    if module is None:
         import cupy
 
-        _module = cupy.RawModule(
+        module = _modules[(op, dtype)] = cupy.RawModule(
             code=assembled_source(),
             options=options(),
-            name_expressions=all_kernel_names(),
+            name_expressions=[kernel_name(*key) for key in module_keys(op, dtype)],
         )
-    return _module
+    return module
 
 
 def kernel(device_id: int, op: str, dtype: str, kind: str, bias: bool = False) -> Kernel:
     """The instantiation for (op, dtype name, kind, bias) on ``device_id``.
 
-    The first call on a device compiles (or loads from CuPy's disk cache) the
-    module and resolves every kernel; later calls are one dict lookup.
+    The first call for an (op, dtype) on a device compiles (or loads from
+    CuPy's disk cache) that module; later calls are one dict lookup.
     """
     k = _cache.get((device_id, op, dtype, kind, bias))
     if k is None:
-        load(device_id)
+        load(device_id, op, dtype)
         k = _cache[(device_id, op, dtype, kind, bias)]
     return k
 
 
-def load(device_id: int) -> None:
-    """Compile or load every kernel for ``device_id`` now (idempotent)."""
-    if device_id in _loaded:
-        return
-    with _lock:
-        if device_id not in _loaded:
-            _cache.update(_build(device_id))
-            _loaded.add(device_id)
+def load(device_id: int, op: str | None = None, dtype: str | None = None) -> None:
+    """Compile or load the kernels of (op, dtype) for ``device_id`` now; every op
+    and dtype where they are None (idempotent)."""
+    for o in OPS if op is None else (op,):
+        for d in DTYPES if dtype is None else (dtype,):
+            if (device_id, o, d) in _loaded:
+                continue
+            with _lock:
+                if (device_id, o, d) not in _loaded:
+                    _cache.update(_build(device_id, o, d))
+                    _loaded.add((device_id, o, d))
 
 
 def reset() -> None:
-    """Forget compiled modules (after changing the launch-shape settings above)."""
-    global _module
+    """Forget compiled modules (after changing THREADS or a registry launch shape)."""
     with _lock:
-        _module = None
+        _modules.clear()
         _cache.clear()
         _loaded.clear()
 
@@ -185,11 +162,12 @@ def _get_functions(module, names) -> list:
             os.environ["CUPY_CACHE_IN_MEMORY"] = saved
 
 
-def _build(device_id: int) -> dict[tuple, Kernel]:
+def _build(device_id: int, op: str, dtype: str) -> dict[tuple, Kernel]:
     import cupy
     from cupy.cuda import driver
 
-    module = _raw_module()
+    module = _raw_module(op, dtype)
+    keys = module_keys(op, dtype)
     table = {}
     with cupy.cuda.Device(device_id) as device:
         # Device() skips cudaSetDevice when device_id is already the runtime's
@@ -199,16 +177,15 @@ def _build(device_id: int) -> dict[tuple, Kernel]:
         cupy.cuda.runtime.setDevice(device_id)
         ctx = driver.ctxGetCurrent()
         sms = device.attributes["MultiProcessorCount"]
-        functions = _get_functions(module, all_kernel_names())
-        for key, function in zip(all_kernel_keys(), functions):
-            op, dtype, kind, _ = key
+        functions = _get_functions(module, [kernel_name(*key) for key in keys])
+        for key, function in zip(keys, functions):
+            kind = key[2]
             size = ITEMSIZE[dtype]
-            unroll = UNROLL[op][kind][size]
             fn = function.kernel  # the cupy.cuda.Function
             per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, THREADS, 0)
             cap = min(max(1, per_sm) * sms * GRID_WAVES, 2**31 - 1)
-            table[(device_id, *key)] = Kernel(fn.ptr, THREADS, THREADS * unroll * (16 // size), cap,
-                                              size == 8, ctx, fn)
+            per_block = THREADS * unroll(op, dtype, kind) * (16 // size)
+            table[(device_id, *key)] = Kernel(fn.ptr, THREADS, per_block, cap, size == 8, ctx, fn)
     return table
 
 

@@ -16,6 +16,8 @@ import numbers
 
 import numpy
 
+from ._registry import OPS
+
 _INT64 = (-(2**63), 2**63)
 
 
@@ -66,3 +68,19 @@ def reciprocal(divisor, double: bool, fname: str) -> float:
         return inv
     with numpy.errstate(over="ignore"):  # beyond float32's range: inf, as in ATen
         return float(numpy.float32(inv))
+
+
+def check_scalars(op: str, slope, divisor, fname: str) -> None:
+    """Type and value checks of the Python numbers ``op`` takes (per the registry)."""
+    spec = OPS[op]
+    if spec.slope:
+        check_real(slope, "negative_slope", fname)
+    if spec.divisor:
+        check_divisor(divisor, fname)
+
+
+def kernel_scalars(op: str, slope, divisor, double: bool, fname: str) -> tuple[float, float]:
+    """The kernel's (slope, scale = 1 / divisor), rounded to the op type as ATen does."""
+    spec = OPS[op]
+    s = to_op_type(slope, double, "negative_slope", fname) if spec.slope else 0.0
+    return s, reciprocal(divisor, double, fname) if spec.divisor else 1.0

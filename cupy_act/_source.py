@@ -33,7 +33,7 @@ def cuda_dir() -> Path:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def assembled_source(name: str = MAIN_SOURCE) -> str:
     """``name`` with its local includes inlined, each file once."""
     root = cuda_dir()

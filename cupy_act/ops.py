@@ -14,7 +14,7 @@ import numpy
 
 from . import _launch, _loader
 from ._arrays import as_device_array, check_like, check_mask, mask_nbytes, on_device, overlaps
-from ._scalars import check_divisor, check_real, reciprocal, to_op_type
+from ._scalars import check_scalars, kernel_scalars
 
 __all__ = [
     "relu",
@@ -35,15 +35,10 @@ def _run(fname, op, kind, src, *, out=None, mask=None, slope=0.0, divisor=None, 
     """Validate, allocate and launch one op; the shared body of every public function."""
     import cupy
 
-    if op != "relu":
-        check_real(slope, "negative_slope", fname)
-    if op == "div_leaky_relu":
-        check_divisor(divisor, fname)
+    check_scalars(op, slope, divisor, fname)
     src_name = "dy" if kind == "backward" else "x"
     src = as_device_array(src, src_name, fname)
-    double = src.dtype == numpy.float64
-    slope = to_op_type(slope, double, "negative_slope", fname) if op != "relu" else 0.0
-    scale = reciprocal(divisor, double, fname) if op == "div_leaky_relu" else 1.0
+    slope, scale = kernel_scalars(op, slope, divisor, src.dtype == numpy.float64, fname)
     if out is not None:
         out = as_device_array(out, "out", fname)
         check_like(out, "out", src, fname)
@@ -71,8 +66,10 @@ def _run(fname, op, kind, src, *, out=None, mask=None, slope=0.0, divisor=None, 
 
         # Write straight into `out` when it is C-contiguous and either is x or
         # does not touch x; otherwise go through a temporary.
-        direct = out is not None and out.flags.c_contiguous and (
-            out.data.ptr == x.data.ptr or not overlaps(out, x)
+        direct = (
+            out is not None
+            and out.flags.c_contiguous
+            and (out.data.ptr == x.data.ptr or not overlaps(out, x))
         )
         y = out if direct else cupy.empty(x.shape, dtype=x.dtype)
         if n:

@@ -1,9 +1,13 @@
 """The single PyTorch reference for every op, plus test-data and timing helpers.
 
 Shared by the test suite, the benchmarks and ``python -m cupy_act``. The
-reference is PyTorch eager itself: forward is the torch expression, the mask
-is the predicate its backward branches on, and the backward is autograd of the
-forward expression. Needs torch; importing ``cupy_act`` never imports this.
+reference is PyTorch eager itself, as the registry (``cupy_act._registry``)
+spells it for each op: forward is the torch expression (the same code the CPU
+path runs), the mask is the predicate its backward branches on, and the
+backward is autograd of the forward expression (independent of the masks).
+``tests/conformance_rows.py`` adds hand-written PyTorch expressions as a check
+independent of the registry. Needs torch; importing ``cupy_act`` never imports
+this.
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+
+from ._registry import OPS
+from .torch import _impl
 
 INT_VIEW = {
     torch.float16: torch.int16,
@@ -22,26 +29,47 @@ INT_VIEW = {
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def _pre(op, x, divisor, bias):
-    """The tensor the activation sees: x, or (x [+ bias]) / divisor as eager stores it."""
-    if op != "div_leaky_relu":
-        return x
-    if bias is not None:
-        x = x + bias.view(1, -1, *([1] * (x.dim() - 2)))
-    return x / divisor
-
-
 def forward(op, x, slope=0.01, divisor=None, bias=None):
     """PyTorch eager forward of ``op``."""
-    t = _pre(op, x, divisor, bias)
-    return torch.relu(t) if op == "relu" else F.leaky_relu(t, slope)
+    return _impl.reference(op, x, slope, divisor, bias)[0]
 
 
 def mask_bits(op, x, divisor=None, bias=None):
     """The boolean per element that the backward branches on (one mask bit)."""
     with torch.no_grad():
-        t = _pre(op, x, divisor, bias)
-        return ~(t <= 0) if op == "relu" else t > 0
+        return _impl.bits(op, _impl.pre(op, x, divisor, bias))
+
+
+def cases(slopes=(0.01, -0.5, 0.0), divided=((0.01, 2.0), (0.3, -1.7))):
+    """(op, slope, divisor) for every registry op: ops with a divisor take each
+    (slope, divisor) of ``divided``; others each of ``slopes`` if they take a
+    slope, else 0.01 (unused); divisor None where the op takes none."""
+    out = []
+    for name, op in OPS.items():
+        if op.divisor:
+            out += [(name, s if op.slope else 0.01, d) for s, d in divided]
+        else:
+            out += [(name, s, None) for s in (slopes if op.slope else (0.01,))]
+    return out
+
+
+def case_id(case) -> str:
+    op, slope, divisor = case
+    return f"{op}-s{slope}-d{divisor}"
+
+
+def op_kwargs(op, slope=0.01, divisor=None) -> dict:
+    """The scalars the registry says ``op`` takes, as its public functions' keywords."""
+    spec = OPS[op]
+    return {
+        **({"divisor": divisor} if spec.divisor else {}),
+        **({"negative_slope": slope} if spec.slope else {}),
+    }
+
+
+def call(module, op, x, slope=0.01, divisor=None, **kw):
+    """The public function of ``op`` in ``cupy_act`` or ``cupy_act.torch``."""
+    return getattr(module, op)(x, **op_kwargs(op, slope, divisor), **kw)
 
 
 def backward(op, x, dy, slope=0.01, divisor=None, bias=None):
@@ -111,6 +139,7 @@ def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = 
 
 def special_values(dtype: torch.dtype) -> torch.Tensor:
     """Signed zeros, infinities, NaNs with payloads, subnormals, extremes."""
+    # fmt: off
     ibits = {
         torch.float32: [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000,
                         0x7F800001, 0x7FC12345, 0xFFFFFFFF, 1, 0x80000001, 0x007FFFFF,
@@ -127,6 +156,7 @@ def special_values(dtype: torch.dtype) -> torch.Tensor:
                          0xFFFF, 1, 0x8001, 0x007F, 0x807F, 0x0080, 0x8080, 0x7F7F,
                          0xFF7F, 0x3F80, 0xBF80, 0x0123],
     }[dtype]
+    # fmt: on
     itype = INT_VIEW[dtype]
     width = torch.iinfo(itype).bits
     signed = [b - (1 << width) if b >= 1 << (width - 1) else b for b in ibits]

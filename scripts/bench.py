@@ -40,43 +40,43 @@ import torch.nn.functional as F
 
 import cupy_act.torch as ct
 from cupy_act import testing
+from cupy_act._registry import OPS as REGISTRY
 from cupy_act.torch import _impl
 
 SLOPE, DIVISOR = 0.01, 2.0
-OPS = ("relu", "leaky_relu", "div_leaky_relu")
+OPS = tuple(REGISTRY)
 REF_SHAPE = (4096, 393216)
 DEVICE = "cuda"
 ATEN = torch.ops.aten
 
 
+# The eager baselines are the registry's PyTorch expressions (one Python frame
+# over the bare torch call, about 0.1 us, only visible in per-call times).
 def eager_forward(op):
-    return {
-        "relu": torch.relu,
-        "leaky_relu": lambda x: F.leaky_relu(x, SLOPE),
-        "div_leaky_relu": lambda x: F.leaky_relu(x / DIVISOR, SLOPE),
-    }[op]
+    spec = REGISTRY[op]
+    if spec.divisor:  # two passes: x / d, then the activation
+        return lambda x: spec.torch_forward(torch, x / DIVISOR, SLOPE, False)
+    return lambda x: spec.torch_forward(torch, x, SLOPE, False)
 
 
 def ours_forward(op):
-    return {
-        "relu": ct.relu,
-        "leaky_relu": lambda x: ct.leaky_relu(x, SLOPE),
-        "div_leaky_relu": lambda x: ct.div_leaky_relu(x, DIVISOR, SLOPE),
-    }[op]
+    kw = testing.op_kwargs(op, SLOPE, DIVISOR)
+    fn = getattr(ct, op)
+    return lambda x: fn(x, **kw)
 
 
 def scalars(op):
     """(slope, divisor) as the tensor-level implementation takes them."""
-    return {"relu": (0.0, 1.0), "leaky_relu": (SLOPE, 1.0), "div_leaky_relu": (SLOPE, DIVISOR)}[op]
+    spec = REGISTRY[op]
+    return SLOPE if spec.slope else 0.0, DIVISOR if spec.divisor else 1.0
 
 
 def eager_backward(op, x, dy):
-    if op == "relu":
-        return lambda: ATEN.threshold_backward(dy, x, 0)
-    if op == "leaky_relu":
-        return lambda: ATEN.leaky_relu_backward(dy, x, SLOPE, False)
-    t = x / DIVISOR
-    return lambda: ATEN.leaky_relu_backward(dy, t, SLOPE, False) / DIVISOR
+    spec = REGISTRY[op]
+    if spec.divisor:
+        t = x / DIVISOR
+        return lambda: spec.torch_backward(torch, dy, t, SLOPE, None) / DIVISOR
+    return lambda: spec.torch_backward(torch, dy, x, SLOPE, None)
 
 
 # Bytes moved, as (multiple of N*s, multiple of N/8).
@@ -124,9 +124,19 @@ class Bench:
     def add(self, dtype, label, n, s, op, case, impl, ms, saved=None):
         a, b = BYTES[(case, impl)]
         nbytes = a * n * s + b * n / 8
-        row = dict(dtype=str(dtype)[6:], size=label, n=n, op=op, case=case,
-                   impl=impl.replace(" div", ""), ms=ms, bytes=nbytes, formula=formula((a, b)),
-                   gbps=nbytes / ms / 1e6, saved_bytes_per_element=saved)
+        row = dict(
+            dtype=str(dtype)[6:],
+            size=label,
+            n=n,
+            op=op,
+            case=case,
+            impl=impl.replace(" div", ""),
+            ms=ms,
+            bytes=nbytes,
+            formula=formula((a, b)),
+            gbps=nbytes / ms / 1e6,
+            saved_bytes_per_element=saved,
+        )
         self.rows.append(row)
         return row
 
@@ -151,14 +161,19 @@ class Bench:
             n = math.prod(shape)
             free, _ = torch.cuda.mem_get_info()
             if 7 * n * s > free:
-                print(f"  {str(dtype)[6:]} {label}: skipped, needs ~{7 * n * s / 2**30:.0f} GiB "
-                      f"(free {free / 2**30:.0f} GiB)", flush=True)
+                print(
+                    f"  {str(dtype)[6:]} {label}: skipped, needs ~{7 * n * s / 2**30:.0f} GiB "
+                    f"(free {free / 2**30:.0f} GiB)",
+                    flush=True,
+                )
                 continue
             t0 = time.perf_counter()
             try:
                 self.run_size(dtype, label, shape, saved)
-                print(f"  {str(dtype)[6:]:9s} {label:12s} done in {time.perf_counter() - t0:5.1f} s",
-                      flush=True)
+                print(
+                    f"  {str(dtype)[6:]:9s} {label:12s} done in {time.perf_counter() - t0:5.1f} s",
+                    flush=True,
+                )
             except torch.OutOfMemoryError:
                 print(f"  {str(dtype)[6:]} {label}: out of memory, skipped", flush=True)
             torch.cuda.empty_cache()
@@ -186,7 +201,7 @@ class Bench:
         start = len(self.rows)
         static = shape == REF_SHAPE
         for op in OPS:
-            div = " div" if op == "div_leaky_relu" else ""
+            div = " div" if REGISTRY[op].divisor else ""
             ef, of = eager_forward(op), ours_forward(op)
             slope, divisor = scalars(op)
             with torch.no_grad():
@@ -196,20 +211,48 @@ class Bench:
                     cf = self.compiled_forward(op, static)
                     self.add(dtype, label, n, s, op, "forward", "compile", T(lambda: cf(x)))
                 self.add(dtype, label, n, s, op, "forward", "cupy_act", T(lambda: of(x)))
-                self.add(dtype, label, n, s, op, "forward+mask", "cupy_act",
-                         T(lambda: _impl.forward_mask(x, op, slope, divisor, None)))
+                self.add(
+                    dtype,
+                    label,
+                    n,
+                    s,
+                    op,
+                    "forward+mask",
+                    "cupy_act",
+                    T(lambda: _impl.forward_mask(x, op, slope, divisor, None)),
+                )
                 _, mask = _impl.forward_mask(x, op, slope, divisor, None)
                 eb = eager_backward(op, x, dy)
-                testing.assert_bits_equal(_impl.backward(dy, mask, op, slope, divisor, False), eb(),
-                                          f"{op} backward, {label}")
+                testing.assert_bits_equal(
+                    _impl.backward(dy, mask, op, slope, divisor, False),
+                    eb(),
+                    f"{op} backward, {label}",
+                )
                 self.add(dtype, label, n, s, op, "backward", "eager" + div, T(eb))
-                self.add(dtype, label, n, s, op, "backward", "cupy_act",
-                         T(lambda: _impl.backward(dy, mask, op, slope, divisor, False)))
+                self.add(
+                    dtype,
+                    label,
+                    n,
+                    s,
+                    op,
+                    "backward",
+                    "cupy_act",
+                    T(lambda: _impl.backward(dy, mask, op, slope, divisor, False)),
+                )
             xg = x.detach().requires_grad_(True)
             for impl, f in (("eager" + div, ef), ("cupy_act", of)):
                 ms = T(lambda: torch.autograd.grad(f(xg), xg, dy))
-                self.add(dtype, label, n, s, op, "fwd+bwd", impl, ms,
-                         saved=saved[(op, impl.replace(" div", ""))])
+                self.add(
+                    dtype,
+                    label,
+                    n,
+                    s,
+                    op,
+                    "fwd+bwd",
+                    impl,
+                    ms,
+                    saved=saved[(op, impl.replace(" div", ""))],
+                )
         copy_last = T(lambda: y.copy_(x))
         row = self.add(dtype, label, n, s, "-", "copy", "copy", min(copy_first, copy_last))
         row.update(copy_first_ms=copy_first, copy_last_ms=copy_last)
@@ -239,14 +282,18 @@ class Bench:
             fb = testing.median_ms(lambda: m(x).backward(gy), iters=20, warmup=3)
             m.zero_grad(set_to_none=True)
             out.append(dict(model=name, forward_ms=fwd, fwd_bwd_ms=fb))
-            print(f"  conv model {name:24s} forward {fwd:6.3f} ms  fwd+bwd {fb:6.3f} ms", flush=True)
+            print(
+                f"  conv model {name:24s} forward {fwd:6.3f} ms  fwd+bwd {fb:6.3f} ms", flush=True
+            )
         # where the time goes: the convolution alone, without bias, in both layouts
         w = eager.conv.weight.detach()
         cl = torch.channels_last
         x_cl, w_cl = x.contiguous(memory_format=cl), w.contiguous(memory_format=cl)
         with torch.no_grad():
-            for name, fn in (("conv2d alone, no bias, NCHW", lambda: F.conv2d(x, w)),
-                             ("conv2d alone, no bias, channels_last", lambda: F.conv2d(x_cl, w_cl))):
+            for name, fn in (
+                ("conv2d alone, no bias, NCHW", lambda: F.conv2d(x, w)),
+                ("conv2d alone, no bias, channels_last", lambda: F.conv2d(x_cl, w_cl)),
+            ):
                 fwd = testing.median_ms(fn, iters=20, warmup=3)
                 out.append(dict(model=name, forward_ms=fwd, fwd_bwd_ms=None))
                 print(f"  {name:35s} forward {fwd:6.3f} ms", flush=True)
@@ -278,54 +325,106 @@ def targets(rows, conv):
             e, o = t(dtype, op, "forward", "eager"), t(dtype, op, "forward", "cupy_act")
             if e and o:
                 if dtype == "float16":
-                    check(f"{op} forward {dtype}: speed vs eager", e / o, ">= 1.08x", lambda v: v >= 1.08)
+                    check(
+                        f"{op} forward {dtype}: speed vs eager",
+                        e / o,
+                        ">= 1.08x",
+                        lambda v: v >= 1.08,
+                    )
                 else:
-                    check(f"{op} forward {dtype}: speed vs eager", e / o, ">= 0.99x", lambda v: v >= 0.99)
+                    check(
+                        f"{op} forward {dtype}: speed vs eager",
+                        e / o,
+                        ">= 0.99x",
+                        lambda v: v >= 0.99,
+                    )
                     r = find(rows, dtype=dtype, size=ref, op=op, case="forward", impl="cupy_act")
-                    check(f"{op} forward {dtype}: % of copy bandwidth", r["pct_copy"], ">= 98%",
-                          lambda v: v >= 98)
+                    check(
+                        f"{op} forward {dtype}: % of copy bandwidth",
+                        r["pct_copy"],
+                        ">= 98%",
+                        lambda v: v >= 98,
+                    )
     for dtype in ("float32",):
         o = t(dtype, "div_leaky_relu", "forward", "cupy_act")
-        e, c = t(dtype, "div_leaky_relu", "forward", "eager"), t(dtype, "div_leaky_relu", "forward", "compile")
+        e, c = (
+            t(dtype, "div_leaky_relu", "forward", "eager"),
+            t(dtype, "div_leaky_relu", "forward", "compile"),
+        )
         if o:
-            check(f"div_leaky_relu forward {dtype}: speed vs eager (two passes)", e / o, ">= 1.95x",
-                  lambda v: v >= 1.95)
+            check(
+                f"div_leaky_relu forward {dtype}: speed vs eager (two passes)",
+                e / o,
+                ">= 1.95x",
+                lambda v: v >= 1.95,
+            )
             if c:
-                check(f"div_leaky_relu forward {dtype}: speed vs torch.compile", c / o, ">= 0.99x",
-                      lambda v: v >= 0.99)
+                check(
+                    f"div_leaky_relu forward {dtype}: speed vs torch.compile",
+                    c / o,
+                    ">= 0.99x",
+                    lambda v: v >= 0.99,
+                )
         for op in OPS:
             r = find(rows, dtype=dtype, size=ref, op=op, case="forward+mask", impl="cupy_act")
             if r:
-                check(f"{op} forward+mask {dtype}: time / copy time", r["x_copy_time"], "<= 1.03x",
-                      lambda v: v <= 1.03)
+                check(
+                    f"{op} forward+mask {dtype}: time / copy time",
+                    r["x_copy_time"],
+                    "<= 1.03x",
+                    lambda v: v <= 1.03,
+                )
             e, o = t(dtype, op, "backward", "eager"), t(dtype, op, "backward", "cupy_act")
             if o:
-                check(f"{op} backward {dtype}: speed vs eager backward", e / o, ">= 1.43x",
-                      lambda v: v >= 1.43)
+                check(
+                    f"{op} backward {dtype}: speed vs eager backward",
+                    e / o,
+                    ">= 1.43x",
+                    lambda v: v >= 1.43,
+                )
             e, o = t(dtype, op, "fwd+bwd", "eager"), t(dtype, op, "fwd+bwd", "cupy_act")
             if o:
-                check(f"{op} autograd fwd+bwd {dtype}: speed vs eager", e / o, ">= 1.2x",
-                      lambda v: v >= 1.2)
+                check(
+                    f"{op} autograd fwd+bwd {dtype}: speed vs eager",
+                    e / o,
+                    ">= 1.2x",
+                    lambda v: v >= 1.2,
+                )
                 se = find(rows, dtype=dtype, size=ref, op=op, case="fwd+bwd", impl="eager")
                 so = find(rows, dtype=dtype, size=ref, op=op, case="fwd+bwd", impl="cupy_act")
-                check(f"{op} saved memory {dtype}: eager / ours",
-                      se["saved_bytes_per_element"] / so["saved_bytes_per_element"], ">= 32x",
-                      lambda v: v >= 32 * 0.999)
+                check(
+                    f"{op} saved memory {dtype}: eager / ours",
+                    se["saved_bytes_per_element"] / so["saved_bytes_per_element"],
+                    ">= 32x",
+                    lambda v: v >= 32 * 0.999,
+                )
         for label in ("2^16", "2^18", "2^20"):
             for op in OPS:
                 e = find(rows, dtype=dtype, size=label, op=op, case="forward", impl="eager")
                 o = find(rows, dtype=dtype, size=label, op=op, case="forward", impl="cupy_act")
                 if e and o:
-                    check(f"{op} forward {dtype} {label}: time per call / eager", o["ms"] / e["ms"],
-                          "<= 1.3x", lambda v: v <= 1.3)
+                    check(
+                        f"{op} forward {dtype} {label}: time per call / eager",
+                        o["ms"] / e["ms"],
+                        "<= 1.3x",
+                        lambda v: v <= 1.3,
+                    )
     c = {r["model"]: r for r in conv}
     if "eager" in c and "cupy_act" in c:
-        check("ConvDivLeakyReLU forward, bit-exact mode: speed vs eager",
-              c["eager"]["forward_ms"] / c["cupy_act"]["forward_ms"], ">= 1.6x", lambda v: v >= 1.6)
+        check(
+            "ConvDivLeakyReLU forward, bit-exact mode: speed vs eager",
+            c["eager"]["forward_ms"] / c["cupy_act"]["forward_ms"],
+            ">= 1.6x",
+            lambda v: v >= 1.6,
+        )
     if "compile" in c and "cupy_act channels_last" in c:
         for k, what in (("forward_ms", "forward"), ("fwd_bwd_ms", "fwd+bwd")):
-            check(f"ConvDivLeakyReLU {what}, channels_last: speed vs torch.compile",
-                  c["compile"][k] / c["cupy_act channels_last"][k], "> 1x", lambda v: v > 1.0)
+            check(
+                f"ConvDivLeakyReLU {what}, channels_last: speed vs torch.compile",
+                c["compile"][k] / c["cupy_act channels_last"][k],
+                "> 1x",
+                lambda v: v > 1.0,
+            )
     return res
 
 
@@ -335,8 +434,10 @@ def print_tables(rows):
         by.setdefault((r["dtype"], r["size"]), []).append(r)
     for (dtype, size), rs in by.items():
         print(f"\n{dtype} {size} (N={rs[0]['n']})")
-        print(f"  {'op':15s} {'case':13s} {'impl':9s} {'bytes':>8s} {'ms':>9s} {'GB/s':>6s} "
-              f"{'%copy':>6s} {'vs eager':>9s} {'vs compile':>10s} {'saved B/el':>10s}")
+        print(
+            f"  {'op':15s} {'case':13s} {'impl':9s} {'bytes':>8s} {'ms':>9s} {'GB/s':>6s} "
+            f"{'%copy':>6s} {'vs eager':>9s} {'vs compile':>10s} {'saved B/el':>10s}"
+        )
         for r in rs:
             e = find(rs, op=r["op"], case=r["case"], impl="eager")
             if r["case"] == "forward+mask":
@@ -344,38 +445,62 @@ def print_tables(rows):
             c = find(rs, op=r["op"], case=r["case"], impl="compile")
             vs_e = f"{e['ms'] / r['ms']:8.3f}x" if e and r["impl"] == "cupy_act" else ""
             vs_c = f"{c['ms'] / r['ms']:9.3f}x" if c and r["impl"] == "cupy_act" else ""
-            saved = "" if r["saved_bytes_per_element"] is None else f"{r['saved_bytes_per_element']:.3f}"
-            print(f"  {r['op']:15s} {r['case']:13s} {r['impl']:9s} {r['formula']:>8s} {r['ms']:9.4f} "
-                  f"{r['gbps']:6.0f} {r.get('pct_copy', 0):5.1f}% {vs_e:>9s} {vs_c:>10s} {saved:>10s}")
+            saved = (
+                ""
+                if r["saved_bytes_per_element"] is None
+                else f"{r['saved_bytes_per_element']:.3f}"
+            )
+            print(
+                f"  {r['op']:15s} {r['case']:13s} {r['impl']:9s} {r['formula']:>8s} {r['ms']:9.4f} "
+                f"{r['gbps']:6.0f} {r.get('pct_copy', 0):5.1f}% {vs_e:>9s} {vs_c:>10s} {saved:>10s}"
+            )
 
 
 def markdown(meta, rows, conv, res) -> str:
     """The run's tables in Markdown (docs/benchmarks.md quotes them)."""
-    L = [f"GPU: {meta['gpu']}; torch {meta['torch']}, cupy {meta['cupy']}, CUDA {meta['cuda']}, "
-         f"Python {meta['python']}. Command: `{meta['command']}`.", ""]
+    L = [
+        f"GPU: {meta['gpu']}; torch {meta['torch']}, cupy {meta['cupy']}, CUDA {meta['cuda']}, "
+        f"Python {meta['python']}. Command: `{meta['command']}`.",
+        "",
+    ]
     ref = "4096x393216"
     for dtype in dict.fromkeys(r["dtype"] for r in rows):
         rs = [r for r in rows if r["dtype"] == dtype and r["size"] == ref]
         if not rs:
             continue
-        L += [f"### {dtype}, 4096 x 393216 (N = {rs[0]['n']:,})", "",
-              "| op | case | impl | bytes | ms | GB/s | % copy | vs eager | vs compile | saved B/elem |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+        L += [
+            f"### {dtype}, 4096 x 393216 (N = {rs[0]['n']:,})",
+            "",
+            "| op | case | impl | bytes | ms | GB/s | % copy | vs eager | vs compile "
+            "| saved B/elem |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in rs:
-            e = find(rs, op=r["op"], case="forward" if r["case"] == "forward+mask" else r["case"],
-                     impl="eager")
+            e = find(
+                rs,
+                op=r["op"],
+                case="forward" if r["case"] == "forward+mask" else r["case"],
+                impl="eager",
+            )
             c = find(rs, op=r["op"], case=r["case"], impl="compile")
             ours = r["impl"] == "cupy_act"
             saved = r["saved_bytes_per_element"]
-            L.append(f"| {r['op']} | {r['case']} | {r['impl']} | {r['formula']} | {r['ms']:.3f} | "
-                     f"{r['gbps']:.0f} | {r['pct_copy']:.1f} | "
-                     f"{f'{e_ms:.3f}x' if ours and (e_ms := e and e['ms'] / r['ms']) else ''} | "
-                     f"{f'{c_ms:.3f}x' if ours and (c_ms := c and c['ms'] / r['ms']) else ''} | "
-                     f"{'' if saved is None else f'{saved:.3f}'} |")
+            L.append(
+                f"| {r['op']} | {r['case']} | {r['impl']} | {r['formula']} | {r['ms']:.3f} | "
+                f"{r['gbps']:.0f} | {r['pct_copy']:.1f} | "
+                f"{f'{e_ms:.3f}x' if ours and (e_ms := e and e['ms'] / r['ms']) else ''} | "
+                f"{f'{c_ms:.3f}x' if ours and (c_ms := c and c['ms'] / r['ms']) else ''} | "
+                f"{'' if saved is None else f'{saved:.3f}'} |"
+            )
         L.append("")
-    L += ["### float32 across sizes (time per call in us; GB/s of our forward)", "",
-          "| size | copy | eager fwd | compile fwd | ours fwd | ours GB/s | ours fwd+mask | eager bwd "
-          "| ours bwd | eager fwd+bwd | ours fwd+bwd |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    L += [
+        "### float32 across sizes (time per call in us; GB/s of our forward)",
+        "",
+        "| size | copy | eager fwd | compile fwd | ours fwd | ours GB/s | ours fwd+mask "
+        "| eager bwd "
+        "| ours bwd | eager fwd+bwd | ours fwd+bwd |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for size in dict.fromkeys(r["size"] for r in rows if r["dtype"] == "float32"):
         rs = [r for r in rows if r["dtype"] == "float32" and r["size"] == size]
 
@@ -384,16 +509,26 @@ def markdown(meta, rows, conv, res) -> str:
             return f"{1e3 * r['ms']:.1f}" if r else ""
 
         ours = find(rs, op="leaky_relu", case="forward", impl="cupy_act")
-        L.append(f"| {size} | {us('copy', 'copy')} | {us('forward', 'eager')} | "
-                 f"{us('forward', 'compile')} | {us('forward', 'cupy_act')} | "
-                 f"{ours['gbps']:.0f} | {us('forward+mask', 'cupy_act')} | "
-                 f"{us('backward', 'eager')} | {us('backward', 'cupy_act')} | "
-                 f"{us('fwd+bwd', 'eager')} | {us('fwd+bwd', 'cupy_act')} |")
-    L += ["", "(leaky_relu with slope 0.01; below 2^24 elements a timing covers 256 / 64 / 16 / 4 "
-          "back-to-back calls at 2^16 / 2^18 / 2^20 / 2^22, so host cost per call is included.)", ""]
+        L.append(
+            f"| {size} | {us('copy', 'copy')} | {us('forward', 'eager')} | "
+            f"{us('forward', 'compile')} | {us('forward', 'cupy_act')} | "
+            f"{ours['gbps']:.0f} | {us('forward+mask', 'cupy_act')} | "
+            f"{us('backward', 'eager')} | {us('backward', 'cupy_act')} | "
+            f"{us('fwd+bwd', 'eager')} | {us('fwd+bwd', 'cupy_act')} |"
+        )
+    L += [
+        "",
+        "(leaky_relu with slope 0.01; below 2^24 elements a timing covers 256 / 64 / 16 / 4 "
+        "back-to-back calls at 2^16 / 2^18 / 2^20 / 2^22, so host cost per call is included.)",
+        "",
+    ]
     if conv:
-        L += ["### ConvDivLeakyReLU, batch 128, 8 -> 64 channels, 3x3, 128x128, divisor 2 (float32)",
-              "", "| model | forward ms (no grad) | forward + backward ms |", "|---|---|---|"]
+        L += [
+            "### ConvDivLeakyReLU, batch 128, 8 -> 64 channels, 3x3, 128x128, divisor 2 (float32)",
+            "",
+            "| model | forward ms (no grad) | forward + backward ms |",
+            "|---|---|---|",
+        ]
         for c in conv:
             fb = "" if c["fwd_bwd_ms"] is None else f"{c['fwd_bwd_ms']:.3f}"
             L.append(f"| {c['model']} | {c['forward_ms']:.3f} | {fb} |")
@@ -410,21 +545,40 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    dtypes = sorted({r["dtype"] for r in rows}, key=["float32", "bfloat16", "float16", "float64"].index)
+    dtypes = sorted(
+        {r["dtype"] for r in rows}, key=["float32", "bfloat16", "float16", "float64"].index
+    )
     fig, axes = plt.subplots(len(dtypes), len(OPS), figsize=(15, 3.6 * len(dtypes)), squeeze=False)
-    series = [("copy", "copy", "k--"), ("forward", "eager", "C0-"), ("forward", "compile", "C1-"),
-              ("forward", "cupy_act", "C2-"), ("forward+mask", "cupy_act", "C3-"),
-              ("backward", "eager", "C0:"), ("backward", "cupy_act", "C2:")]
+    series = [
+        ("copy", "copy", "k--"),
+        ("forward", "eager", "C0-"),
+        ("forward", "compile", "C1-"),
+        ("forward", "cupy_act", "C2-"),
+        ("forward+mask", "cupy_act", "C3-"),
+        ("backward", "eager", "C0:"),
+        ("backward", "cupy_act", "C2:"),
+    ]
     for i, dtype in enumerate(dtypes):
         for j, op in enumerate(OPS):
             ax = axes[i][j]
             for case, impl, style in series:
-                pts = sorted((r["n"], r["gbps"]) for r in rows
-                             if r["dtype"] == dtype and r["case"] == case and r["impl"] == impl
-                             and r["op"] in (op, "-") and r["size"].startswith("2^"))
+                pts = sorted(
+                    (r["n"], r["gbps"])
+                    for r in rows
+                    if r["dtype"] == dtype
+                    and r["case"] == case
+                    and r["impl"] == impl
+                    and r["op"] in (op, "-")
+                    and r["size"].startswith("2^")
+                )
                 if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style,
-                            label=f"{case} {impl}" if case != "copy" else "copy", marker=".")
+                    ax.plot(
+                        [p[0] for p in pts],
+                        [p[1] for p in pts],
+                        style,
+                        label=f"{case} {impl}" if case != "copy" else "copy",
+                        marker=".",
+                    )
             ax.set_xscale("log", base=2)
             ax.set_title(f"{op} {dtype}")
             ax.set_xlabel("elements")
@@ -452,10 +606,18 @@ def main() -> None:
     torch._dynamo.config.accumulated_cache_size_limit = 512
     import cupy
 
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cupy=cupy.__version__,
-                cuda=torch.version.cuda, python=platform.python_version(),
-                command=" ".join(["python"] + sys.argv))
-    print(f"{meta['gpu']}  torch {meta['torch']}  cupy {meta['cupy']}  CUDA {meta['cuda']}", flush=True)
+    meta = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        cupy=cupy.__version__,
+        cuda=torch.version.cuda,
+        python=platform.python_version(),
+        command=" ".join(["python"] + sys.argv),
+    )
+    print(
+        f"{meta['gpu']}  torch {meta['torch']}  cupy {meta['cupy']}  CUDA {meta['cuda']}",
+        flush=True,
+    )
     bench = Bench(args)
     t0 = time.perf_counter()
     for name in args.dtypes:
@@ -466,11 +628,20 @@ def main() -> None:
     print("\ntargets (4096 x 393216 unless a size is named)")
     for desc, value, goal, ok in res:
         print(f"  {'PASS' if ok else 'MISS'}  {desc}: {value:.3f} (goal {goal})")
-    print(f"\n{sum(ok for *_, ok in res)} of {len(res)} targets met; "
-          f"{time.perf_counter() - t0:.0f} s")
-    (out / "results.json").write_text(json.dumps(
-        dict(meta=meta, rows=bench.rows, conv=conv,
-             targets=[dict(target=d, value=v, goal=g, met=ok) for d, v, g, ok in res]), indent=1))
+    print(
+        f"\n{sum(ok for *_, ok in res)} of {len(res)} targets met; {time.perf_counter() - t0:.0f} s"
+    )
+    (out / "results.json").write_text(
+        json.dumps(
+            dict(
+                meta=meta,
+                rows=bench.rows,
+                conv=conv,
+                targets=[dict(target=d, value=v, goal=g, met=ok) for d, v, g, ok in res],
+            ),
+            indent=1,
+        )
+    )
     with open(out / "results.csv", "w", newline="") as f:
         fields = list(dict.fromkeys(k for r in bench.rows for k in r))
         w = csv.DictWriter(f, fieldnames=fields)

@@ -4,7 +4,10 @@
 # suite (tables, JSON, CSV, plot under $OUT/bench) and the call-overhead table.
 # Logs go to $OUT; a summary is last.
 # Usage (GPU machine, repository root):
-#   [PARTS="conformance tests sanitizer bench overhead"] [BASE=dir] [TUNE=1] bash scripts/device_run.sh
+#   [PARTS="conformance tests sanitizer bench overhead selfcheck cold cpu"] [BASE=dir] [TUNE=1] \
+#     bash scripts/device_run.sh
+# With 2 or more GPUs, the conformance rows run split over the first two GPUs,
+# with the rest of the test suite alongside, and the 2-GPU rows after them.
 # BASE: a copy of another version's cupy_act/ and cuda/ (e.g. the last release),
 # whose overhead is measured in the same run, alternating with this one.
 set -u
@@ -15,15 +18,29 @@ has() { [[ " $PARTS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt"
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)" >> "$OUT/gpu.txt"
 
-if has conformance; then
-  timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_conformance.py -rs -k "not cpu" \
-    > "$OUT/conformance.log" 2>&1
-  echo "conformance rc=$?" >> "$OUT/conformance.log"
-fi
-if has tests; then
-  timeout 360 python3 -m pytest -q -p no:cacheprovider tests -rs --deselect tests/test_conformance.py \
-    > "$OUT/pytest.log" 2>&1
-  echo "pytest rc=$?" >> "$OUT/pytest.log"
+PYTEST="python3 -m pytest -q -p no:cacheprovider -rs"
+CONF=tests/test_conformance.py
+GPUS=$(nvidia-smi -L | wc -l)
+FIRST="first or new_thread or threads or second or cache or private or func_"
+if has conformance && [ "$GPUS" -ge 2 ]; then
+  CUDA_VISIBLE_DEVICES=0 timeout 420 $PYTEST $CONF -k "not cpu and ($FIRST)" > "$OUT/conf_a.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout 420 $PYTEST $CONF -k "not cpu and not ($FIRST)" > "$OUT/conf_b.log" 2>&1 &
+  if has tests; then
+    CUDA_VISIBLE_DEVICES=1 timeout 420 $PYTEST tests --deselect $CONF > "$OUT/pytest.log" 2>&1
+    echo "pytest rc=$? (GPU 1 only: its 2-GPU tests are conformance rows below)" >> "$OUT/pytest.log"
+  fi
+  wait
+  timeout 240 $PYTEST $CONF -k "not cpu and (ddp or fsdp2 or second_device or first_backward)" \
+    > "$OUT/conf_2gpu.log" 2>&1
+else
+  if has conformance; then
+    timeout 420 $PYTEST $CONF -k "not cpu" > "$OUT/conformance.log" 2>&1
+    echo "conformance rc=$?" >> "$OUT/conformance.log"
+  fi
+  if has tests; then
+    timeout 360 $PYTEST tests --deselect $CONF > "$OUT/pytest.log" 2>&1
+    echo "pytest rc=$?" >> "$OUT/pytest.log"
+  fi
 fi
 if has sanitizer; then
   timeout 150 compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
@@ -35,7 +52,7 @@ if has bench; then
   timeout 330 python3 scripts/bench.py --out "$OUT/bench" > "$OUT/bench.log" 2>&1
 fi
 if has overhead; then
-  for i in 1 2 3; do
+  for i in 1 2; do
     if [ -n "${BASE:-}" ]; then
       echo "== base run $i" >> "$OUT/overhead.log"
       PYTHONPATH=$PWD/$BASE timeout 60 python3 scripts/overhead.py >> "$OUT/overhead.log" 2>&1
@@ -44,16 +61,30 @@ if has overhead; then
     timeout 60 python3 scripts/overhead.py >> "$OUT/overhead.log" 2>&1
   done
 fi
+if has selfcheck; then  # python -m cupy_act: every kernel bit for bit, and a short benchmark
+  timeout 150 python3 -m cupy_act > "$OUT/selfcheck.log" 2>&1
+  echo "selfcheck rc=$?" >> "$OUT/selfcheck.log"
+fi
+if has cold; then
+  timeout 120 python3 scripts/cold_start.py > "$OUT/cold.log" 2>&1
+fi
+if has cpu; then
+  timeout 120 python3 scripts/cpu_path.py > "$OUT/cpu_path.log" 2>&1
+fi
 if [ "${TUNE:-0}" = 1 ]; then  # launch-shape sweep (development)
   timeout 240 python3 scripts/tune.py > "$OUT/tune.log" 2>&1
 fi
 
 echo "== summary"; cat "$OUT/gpu.txt"
-for f in conformance pytest; do
-  [ -f "$OUT/$f.log" ] && { tail -n 3 "$OUT/$f.log"; grep -E "^FAILED|^ERROR" "$OUT/$f.log" | head -20; }
+for f in conf_a conf_b conf_2gpu conformance pytest; do
+  [ -f "$OUT/$f.log" ] && { echo "-- $f"; grep -E "passed|failed|rc=" "$OUT/$f.log" | tail -n 2;
+    grep -E "^FAILED|^ERROR" "$OUT/$f.log" | head -20; }
 done
 [ -f "$OUT/sanitizer.log" ] && grep -E "ERROR SUMMARY|passed|failed|rc=" "$OUT/sanitizer.log" | tail -n 4
 [ -f "$OUT/bench.log" ] && grep -E "^  (PASS|MISS)|targets met|conv" "$OUT/bench.log"
 [ -f "$OUT/overhead.log" ] && grep -E "^==|fwd|floor" "$OUT/overhead.log"
+[ -f "$OUT/selfcheck.log" ] && grep -E "passed|FAILED|MISMATCH|copy|cupy_act |torch |rc=" "$OUT/selfcheck.log"
+[ -f "$OUT/cold.log" ] && cat "$OUT/cold.log"
+[ -f "$OUT/cpu_path.log" ] && cat "$OUT/cpu_path.log"
 [ -f "$OUT/tune.log" ] && cat "$OUT/tune.log"
 exit 0

@@ -22,6 +22,7 @@ import torch
 
 from cupy_act import _kernels, _launch, _loader, _source
 from cupy_act._arrays import mask_nbytes
+from cupy_act._registry import OPS
 from cupy_act.testing import median_ms
 
 _STORE = "      p.mask[base / 32 + (lane % G) * V + lane / G] = mine;"
@@ -30,8 +31,10 @@ VARIANTS = {
     "base": _STORE,
     "nostore": "      if (mine == (u32)p.n) p.mask[base / 32 + (lane % G) * V + lane / G] = mine;",
     "const": "      p.mask[base / 32 + (lane % G) * V + lane / G] = (u32)base;",
-    "cs": f'      asm volatile("st.global.cs.u32 [%0], %1;" :: "l"({_ADDR}), "r"(mine) : "memory");',
-    "wt": f'      asm volatile("st.global.wt.u32 [%0], %1;" :: "l"({_ADDR}), "r"(mine) : "memory");',
+    "cs": f'      asm volatile("st.global.cs.u32 [%0], %1;" :: "l"({_ADDR}), "r"(mine) '
+    ': "memory");',
+    "wt": f'      asm volatile("st.global.wt.u32 [%0], %1;" :: "l"({_ADDR}), "r"(mine) '
+    ': "memory");',
 }
 
 
@@ -39,22 +42,35 @@ def build(variant: str, mask_unroll: int, dtype: str):
     """(forward_mask kernel, forward kernel) of leaky_relu with the mask store replaced."""
     src = _source.assembled_source()
     assert _STORE in src, "the mask store in cuda/elementwise.cu changed; update _STORE"
-    saved = copy.deepcopy(_loader.UNROLL)
+    unroll = OPS["leaky_relu"].unroll  # edited in place, restored below
+    saved = copy.deepcopy(unroll)
     size = _kernels.ITEMSIZE[dtype]
-    _loader.UNROLL["leaky_relu"]["forward_mask"][size] = mask_unroll
+    unroll["forward_mask"][size] = mask_unroll
     try:
         names = [_kernels.kernel_name("leaky_relu", dtype, k) for k in ("forward_mask", "forward")]
-        mod = cupy.RawModule(code=src.replace(_STORE, VARIANTS[variant]), options=_loader.options(),
-                             name_expressions=names)
+        mod = cupy.RawModule(
+            code=src.replace(_STORE, VARIANTS[variant]),
+            options=_loader.options(),
+            name_expressions=names,
+        )
         out = []
         for name, kind in zip(names, ("forward_mask", "forward")):
             fn = mod.get_function(name).kernel
-            per_block = _loader.THREADS * _loader.UNROLL["leaky_relu"][kind][size] * 16 // size
-            out.append(_loader.Kernel(fn.ptr, _loader.THREADS, per_block, 2**31 - 1, size == 8,
-                                      (fn, mod)))
+            per_block = _loader.THREADS * unroll[kind][size] * 16 // size
+            out.append(
+                _loader.Kernel(
+                    fn.ptr,
+                    _loader.THREADS,
+                    per_block,
+                    2**31 - 1,
+                    size == 8,
+                    cupy.cuda.driver.ctxGetCurrent(),
+                    (fn, mod),
+                )
+            )
         return out
     finally:
-        _loader.UNROLL = saved
+        unroll.update(saved)
 
 
 def diagnose_mask() -> None:
@@ -64,8 +80,17 @@ def diagnose_mask() -> None:
         y = torch.empty_like(x)
         n = x.numel()
         mask = torch.empty(mask_nbytes(n), dtype=torch.uint8, device="cuda")
-        configs = [("base", 1), ("base", 2), ("base", top), ("nostore", 1), ("nostore", top),
-                   ("const", 1), ("cs", 1), ("cs", 2), ("wt", 2)]
+        configs = [
+            ("base", 1),
+            ("base", 2),
+            ("base", top),
+            ("nostore", 1),
+            ("nostore", top),
+            ("const", 1),
+            ("cs", 1),
+            ("cs", 2),
+            ("wt", 2),
+        ]
         kernels = {c: build(*c, dtype) for c in configs}
         res = {}
         for _ in range(3):
@@ -73,13 +98,29 @@ def diagnose_mask() -> None:
             res.setdefault("copy (ms)", []).append(copy_ms)
             for c in configs:
                 k = kernels[c][0]
-                t = median_ms(lambda: _launch.launch(k, stream, n, x.data_ptr(), y.data_ptr(),
-                                                     mask.data_ptr(), mask.numel() // 4, 0, 1, 1,
-                                                     0.01, 1.0))
+                t = median_ms(
+                    lambda: _launch.launch(
+                        k,
+                        stream,
+                        n,
+                        x.data_ptr(),
+                        y.data_ptr(),
+                        mask.data_ptr(),
+                        mask.numel() // 4,
+                        0,
+                        1,
+                        1,
+                        0.01,
+                        1.0,
+                    )
+                )
                 res.setdefault(f"{c[0]}, {c[1]} vectors/thread", []).append(t / copy_ms)
             k = kernels[configs[0]][1]
-            t = median_ms(lambda: _launch.launch(k, stream, n, x.data_ptr(), y.data_ptr(), 0, 0, 0, 1,
-                                                 1, 0.01, 1.0))
+            t = median_ms(
+                lambda: _launch.launch(
+                    k, stream, n, x.data_ptr(), y.data_ptr(), 0, 0, 0, 1, 1, 0.01, 1.0
+                )
+            )
             res.setdefault("forward, no mask", []).append(t / copy_ms)
         print(f"{dtype}: time over the copy's, three rounds")
         for name, v in res.items():

@@ -48,31 +48,59 @@ def main() -> None:
     def fwd_bwd(f):
         return lambda: torch.autograd.grad(f(xg), xg, g)
 
+    def fwd_bwd_(f):  # in place on a non-leaf (x * 1), as in a model
+        return lambda: torch.autograd.grad(f(xg * 1), xg, g)
+
     cases = [
         ("relu fwd", lambda: F.relu(x), lambda: ct.relu(x)),
         ("leaky_relu fwd", lambda: F.leaky_relu(x, 0.01), lambda: ct.leaky_relu(x, 0.01)),
-        ("div_leaky_relu fwd", lambda: F.leaky_relu(x / 2.0, 0.01),
-         lambda: ct.div_leaky_relu(x, 2.0, 0.01)),
+        (
+            "div_leaky_relu fwd",
+            lambda: F.leaky_relu(x / 2.0, 0.01),
+            lambda: ct.div_leaky_relu(x, 2.0, 0.01),
+        ),
         ("relu fwd+bwd", fwd_bwd(F.relu), fwd_bwd(ct.relu)),
-        ("leaky_relu fwd+bwd", fwd_bwd(lambda t: F.leaky_relu(t, 0.01)),
-         fwd_bwd(lambda t: ct.leaky_relu(t, 0.01))),
-        ("div_leaky_relu fwd+bwd", fwd_bwd(lambda t: F.leaky_relu(t / 2.0, 0.01)),
-         fwd_bwd(lambda t: ct.div_leaky_relu(t, 2.0, 0.01))),
+        (
+            "leaky_relu fwd+bwd",
+            fwd_bwd(lambda t: F.leaky_relu(t, 0.01)),
+            fwd_bwd(lambda t: ct.leaky_relu(t, 0.01)),
+        ),
+        (
+            "div_leaky_relu fwd+bwd",
+            fwd_bwd(lambda t: F.leaky_relu(t / 2.0, 0.01)),
+            fwd_bwd(lambda t: ct.div_leaky_relu(t, 2.0, 0.01)),
+        ),
+        (
+            "relu fwd+bwd in place",
+            fwd_bwd_(lambda t: F.relu(t, inplace=True)),
+            fwd_bwd_(lambda t: ct.relu(t, inplace=True)),
+        ),
+        (
+            "leaky_relu fwd+bwd in place",
+            fwd_bwd_(lambda t: F.leaky_relu(t, 0.01, inplace=True)),
+            fwd_bwd_(lambda t: ct.leaky_relu(t, 0.01, inplace=True)),
+        ),
     ]
-    print(f"\nhost time per call, {args.n} float32 elements, {torch.cuda.get_device_name()}, "
-          f"torch {torch.__version__}")
-    print(f"{'case':24s} {'torch us':>9s} {'cupy_act us':>12s} {'ratio':>7s}")
+    print(
+        f"\nhost time per call, {args.n} float32 elements, {torch.cuda.get_device_name()}, "
+        f"torch {torch.__version__}"
+    )
+    print(f"{'case':28s} {'torch us':>9s} {'cupy_act us':>12s} {'ratio':>7s}")
     for name, ref, ours in cases:
-        t_ref, t_ours = per_call_us(ref, args.calls, args.repeats), per_call_us(ours, args.calls,
-                                                                                 args.repeats)
-        print(f"{name:24s} {t_ref:9.2f} {t_ours:12.2f} {t_ours / t_ref:6.2f}x")
+        t_ref, t_ours = (
+            per_call_us(ref, args.calls, args.repeats),
+            per_call_us(ours, args.calls, args.repeats),
+        )
+        print(f"{name:28s} {t_ref:9.2f} {t_ours:12.2f} {t_ours / t_ref:6.2f}x")
 
     # The floor for any Python autograd.Function: one that only calls torch's own
     # relu and threshold_backward, timed against F.relu in the same way.
     t_ref = per_call_us(fwd_bwd(F.relu), args.calls, args.repeats)
     t_floor = per_call_us(fwd_bwd(_TorchRelu.apply), args.calls, args.repeats)
-    print(f"floor: a Python autograd.Function around torch.relu, fwd+bwd {t_floor:.2f} us "
-          f"= {t_floor / t_ref:.2f}x F.relu's {t_ref:.2f} us")
+    print(
+        f"floor: a Python autograd.Function around torch.relu, fwd+bwd {t_floor:.2f} us "
+        f"= {t_floor / t_ref:.2f}x F.relu's {t_ref:.2f} us"
+    )
 
 
 class _TorchRelu(torch.autograd.Function):

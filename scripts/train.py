@@ -64,9 +64,13 @@ class Task:
     def __init__(self, name: str, small: bool):
         self.name = name
         if name == "conv":
-            self.batch, self.cin, self.cout, self.hw = (16, 8, 16, 32) if small else (128, 8, 64, 128)
+            self.batch, self.cin, self.cout, self.hw = (
+                (16, 8, 16, 32) if small else (128, 8, 64, 128)
+            )
         else:
-            self.batch, self.cin, self.width, self.depth = (64, 64, 128, 3) if small else (2048, 1024, 4096, 3)
+            self.batch, self.cin, self.width, self.depth = (
+                (64, 64, 128, 3) if small else (2048, 1024, 4096, 3)
+            )
 
     def activation_elements(self) -> int:
         """Elements passing through the activations in one forward pass."""
@@ -80,9 +84,14 @@ class Task:
         return mlp_model(backend, self.width, self.depth, self.cin)
 
     def batches(self, steps: int, device, seed: int = 0):
-        """(inputs, labels) per step; labels come from a fixed random teacher so the loss can fall."""
+        """(inputs, labels) per step; labels come from a fixed random teacher, so the
+        loss can fall."""
         g = torch.Generator(device=device).manual_seed(seed)
-        shape = (self.batch, self.cin, self.hw, self.hw) if self.name == "conv" else (self.batch, self.cin)
+        shape = (
+            (self.batch, self.cin, self.hw, self.hw)
+            if self.name == "conv"
+            else (self.batch, self.cin)
+        )
         teacher = torch.randn(self.cin, CLASSES, device=device, generator=g)
         for _ in range(steps):
             x = torch.randn(shape, device=device, generator=g)
@@ -101,7 +110,8 @@ def saved_bytes(model, x) -> int:
 
 
 def train(task: Task, backend: str, steps: int, device, lr=0.05, rank=0, world=1, log=print):
-    """Train from the common initial weights; returns losses, step times (ms), peak memory, saved bytes."""
+    """Train from the common initial weights; returns losses, step times (ms), peak
+    memory, saved bytes."""
     base = backend.split(":")[-1]
     model = task.build(base).to(device)
     model.load_state_dict(initial_state(task, device))
@@ -116,7 +126,7 @@ def train(task: Task, backend: str, steps: int, device, lr=0.05, rank=0, world=1
     losses, times, saved = [], [], None
     for i, (x, labels) in enumerate(task.batches(steps, device)):
         share = x.shape[0] // world  # this rank's slice of the global batch
-        x, labels = x[rank * share:(rank + 1) * share], labels[rank * share:(rank + 1) * share]
+        x, labels = x[rank * share : (rank + 1) * share], labels[rank * share : (rank + 1) * share]
         if saved is None:  # (through DDP a forward without backward would upset its reducer)
             saved = saved_bytes(step_fn if world == 1 else model.module, x)
         t0 = time.perf_counter()
@@ -135,13 +145,20 @@ def train(task: Task, backend: str, steps: int, device, lr=0.05, rank=0, world=1
         torch.distributed.all_reduce(stacked)
         losses = list(stacked / world)
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
-    return dict(losses=[float(v) for v in losses], step_ms=times, peak_bytes=peak, saved_bytes=saved,
-                model=model)
+    return dict(
+        losses=[float(v) for v in losses],
+        step_ms=times,
+        peak_bytes=peak,
+        saved_bytes=saved,
+        model=model,
+    )
 
 
 def bits_equal(a, b) -> bool:
-    return torch.equal(torch.tensor(a, dtype=torch.float32).view(torch.int32),
-                       torch.tensor(b, dtype=torch.float32).view(torch.int32))
+    return torch.equal(
+        torch.tensor(a, dtype=torch.float32).view(torch.int32),
+        torch.tensor(b, dtype=torch.float32).view(torch.int32),
+    )
 
 
 def run_ddp(args) -> None:
@@ -161,10 +178,16 @@ def run_ddp(args) -> None:
         devices = [None] * world
         torch.distributed.all_gather_object(devices, str(device))
         same = all(torch.equal(gathered[0], g) for g in gathered[1:])
-        log(f"  {name}: parameters identical across ranks: {same}; ranks ran on {devices}; "
-            f"final loss {r['losses'][-1]:.6f}")
-        out["models"][name] = dict(losses=r["losses"], params_identical=same, devices=devices,
-                                   step_ms=statistics.median(r["step_ms"][1:] or r["step_ms"]))
+        log(
+            f"  {name}: parameters identical across ranks: {same}; ranks ran on {devices}; "
+            f"final loss {r['losses'][-1]:.6f}"
+        )
+        out["models"][name] = dict(
+            losses=r["losses"],
+            params_identical=same,
+            devices=devices,
+            step_ms=statistics.median(r["step_ms"][1:] or r["step_ms"]),
+        )
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
@@ -173,8 +196,9 @@ def run_ddp(args) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--backends", nargs="+",
-                    default=["eager", "cupy_act", "compile:eager", "compile:cupy_act"])
+    ap.add_argument(
+        "--backends", nargs="+", default=["eager", "cupy_act", "compile:eager", "compile:cupy_act"]
+    )
     ap.add_argument("--models", nargs="+", default=["conv", "mlp"], choices=["conv", "mlp"])
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -199,33 +223,50 @@ def main(argv=None) -> None:
             results[(model_name, backend)] = r
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    print(f"\n{'model':5s} {'backend':17s} {'final loss':>11s} {'step ms':>8s} "
-          f"{'peak MiB':>9s} {'saved MiB/step':>15s}")
+    print(
+        f"\n{'model':5s} {'backend':17s} {'final loss':>11s} {'step ms':>8s} "
+        f"{'peak MiB':>9s} {'saved MiB/step':>15s}"
+    )
     for (m, b), r in results.items():
         peak = f"{r['peak_bytes'] / 2**20:9.1f}" if r["peak_bytes"] is not None else f"{'-':>9s}"
         step = statistics.median(r["step_ms"][2:] or r["step_ms"])
-        print(f"{m:5s} {b:17s} {r['losses'][-1]:11.6f} {step:8.2f} {peak} "
-              f"{r['saved_bytes'] / 2**20:15.2f}")
+        print(
+            f"{m:5s} {b:17s} {r['losses'][-1]:11.6f} {step:8.2f} {peak} "
+            f"{r['saved_bytes'] / 2**20:15.2f}"
+        )
     summary = {}
     for m in args.models:
         if (m, "eager") in results and (m, "cupy_act") in results:
             e, o = results[(m, "eager")], results[(m, "cupy_act")]
             same = bits_equal(e["losses"], o["losses"])
-            summary[m] = dict(losses_bit_identical=same,
-                              saved_bytes_eager=e["saved_bytes"], saved_bytes_cupy_act=o["saved_bytes"])
+            summary[m] = dict(
+                losses_bit_identical=same,
+                saved_bytes_eager=e["saved_bytes"],
+                saved_bytes_cupy_act=o["saved_bytes"],
+            )
             line = f"{m}: cupy_act losses equal eager's bit for bit over {args.steps} steps: {same}"
             if e["peak_bytes"] is not None:
                 summary[m]["peak_bytes_saved"] = e["peak_bytes"] - o["peak_bytes"]
                 line += f"; peak memory {(e['peak_bytes'] - o['peak_bytes']) / 2**20:.1f} MiB lower"
             per = (e["saved_bytes"] - o["saved_bytes"]) / Task(m, args.small).activation_elements()
             summary[m]["saved_bytes_less_per_activation_element"] = per
-            line += (f"; autograd saves {(e['saved_bytes'] - o['saved_bytes']) / 2**20:.1f} MiB "
-                     f"less per step ({per:.3f} bytes per activation element)")
+            line += (
+                f"; autograd saves {(e['saved_bytes'] - o['saved_bytes']) / 2**20:.1f} MiB "
+                f"less per step ({per:.3f} bytes per activation element)"
+            )
             print(line)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=name, steps=args.steps, summary=summary,
-                           runs={f"{m}/{b}": r for (m, b), r in results.items()}), f, indent=1)
+            json.dump(
+                dict(
+                    device=name,
+                    steps=args.steps,
+                    summary=summary,
+                    runs={f"{m}/{b}": r for (m, b), r in results.items()},
+                ),
+                f,
+                indent=1,
+            )
     if args.plot:
         plot(results, args.plot)
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -42,7 +42,7 @@ class Row:
     devices: tuple  # device kinds the row runs on: "cpu", "cuda", "cuda:1"
     launcher: tuple = ()  # e.g. torchrun for the distributed rows
     gpus: int = 0  # GPUs needed
-    env: Optional[dict] = None  # environment the process starts with
+    env: dict | None = None  # environment the process starts with
     own_imports: bool = False  # the row imports cupy_act itself
 
 
@@ -53,18 +53,20 @@ def row(*devices, launcher=(), gpus=0, env=None, own_imports=False):
     def register(fn):
         ROWS[fn.__name__] = Row(fn, devices, launcher, gpus, env, own_imports)
         return fn
+
     return register
 
 
 # ---- the ops: ours and PyTorch's, out of place and in place ----
+
 
 @dataclass
 class Case:
     name: str
     ours: Callable  # (x, b) -> y
     ref: Callable
-    ours_: Optional[Callable] = None  # in place, or None where PyTorch has no in-place form
-    ref_: Optional[Callable] = None
+    ours_: Callable | None = None  # in place, or None where PyTorch has no in-place form
+    ref_: Callable | None = None
 
 
 def _bview(b):
@@ -73,18 +75,34 @@ def _bview(b):
 
 def cases() -> list[Case]:
     return [
-        Case("relu", lambda x, b: ct.relu(x), lambda x, b: torch.relu(x),
-             lambda x, b: ct.relu(x, inplace=True), lambda x, b: F.relu(x, inplace=True)),
-        Case("leaky_relu", lambda x, b: ct.leaky_relu(x, 0.2), lambda x, b: F.leaky_relu(x, 0.2),
-             lambda x, b: ct.leaky_relu(x, 0.2, True), lambda x, b: F.leaky_relu(x, 0.2, True)),
-        Case("div_leaky_relu", lambda x, b: ct.div_leaky_relu(x, -1.7, 0.1),
-             lambda x, b: F.leaky_relu(x / -1.7, 0.1),
-             lambda x, b: ct.div_leaky_relu(x, -1.7, 0.1, inplace=True),
-             lambda x, b: F.leaky_relu(x.div_(-1.7), 0.1, inplace=True)),
-        Case("div_leaky_relu_bias", lambda x, b: ct.div_leaky_relu(x, 2.0, 0.01, bias=b),
-             lambda x, b: F.leaky_relu((x + _bview(b)) / 2.0, 0.01),
-             lambda x, b: ct.div_leaky_relu(x, 2.0, 0.01, inplace=True, bias=b),
-             lambda x, b: F.leaky_relu(x.add_(_bview(b)).div_(2.0), 0.01, inplace=True)),
+        Case(
+            "relu",
+            lambda x, b: ct.relu(x),
+            lambda x, b: torch.relu(x),
+            lambda x, b: ct.relu(x, inplace=True),
+            lambda x, b: F.relu(x, inplace=True),
+        ),
+        Case(
+            "leaky_relu",
+            lambda x, b: ct.leaky_relu(x, 0.2),
+            lambda x, b: F.leaky_relu(x, 0.2),
+            lambda x, b: ct.leaky_relu(x, 0.2, True),
+            lambda x, b: F.leaky_relu(x, 0.2, True),
+        ),
+        Case(
+            "div_leaky_relu",
+            lambda x, b: ct.div_leaky_relu(x, -1.7, 0.1),
+            lambda x, b: F.leaky_relu(x / -1.7, 0.1),
+            lambda x, b: ct.div_leaky_relu(x, -1.7, 0.1, inplace=True),
+            lambda x, b: F.leaky_relu(x.div_(-1.7), 0.1, inplace=True),
+        ),
+        Case(
+            "div_leaky_relu_bias",
+            lambda x, b: ct.div_leaky_relu(x, 2.0, 0.01, bias=b),
+            lambda x, b: F.leaky_relu((x + _bview(b)) / 2.0, 0.01),
+            lambda x, b: ct.div_leaky_relu(x, 2.0, 0.01, inplace=True, bias=b),
+            lambda x, b: F.leaky_relu(x.add_(_bview(b)).div_(2.0), 0.01, inplace=True),
+        ),
     ]
 
 
@@ -138,8 +156,9 @@ def same_compiled(actual, expected, what):
     torch.testing.assert_close(db, rdb, rtol=1e-5, atol=1e-6, equal_nan=True, msg=what)
 
 
-def check_fwd_bwd(device, wrap=lambda f: f, what="", in_place=True, ref_wrap=None,
-                  compare=same, **kw):
+def check_fwd_bwd(
+    device, wrap=lambda f: f, what="", in_place=True, ref_wrap=None, compare=same, **kw
+):
     """Forward and gradients of every case: ours through ``wrap`` against PyTorch's
     through ``ref_wrap`` (default: the same wrap)."""
     ref_wrap = wrap if ref_wrap is None else ref_wrap
@@ -149,12 +168,17 @@ def check_fwd_bwd(device, wrap=lambda f: f, what="", in_place=True, ref_wrap=Non
         return lambda u, v: f(u.clone(), v)
 
     for c in cases():
-        compare(fwd_bwd(wrap(c.ours), x, b, dy, **kw), fwd_bwd(ref_wrap(c.ref), x, b, dy, **kw),
-                f"{what} {c.name}")
+        compare(
+            fwd_bwd(wrap(c.ours), x, b, dy, **kw),
+            fwd_bwd(ref_wrap(c.ref), x, b, dy, **kw),
+            f"{what} {c.name}",
+        )
         if in_place and c.ours_ is not None:
-            compare(fwd_bwd(wrap(clone_first(c.ours_)), x, b, dy, **kw),
-                    fwd_bwd(ref_wrap(clone_first(c.ref_)), x, b, dy, **kw),
-                    f"{what} {c.name} in place")
+            compare(
+                fwd_bwd(wrap(clone_first(c.ours_)), x, b, dy, **kw),
+                fwd_bwd(ref_wrap(clone_first(c.ref_)), x, b, dy, **kw),
+                f"{what} {c.name} in place",
+            )
 
 
 def mlp(ours: bool, seed=0) -> nn.Module:
@@ -165,9 +189,11 @@ def mlp(ours: bool, seed=0) -> nn.Module:
         def forward(self, x):
             return F.leaky_relu(x / 2.0, 0.01)
 
-    acts = ([ct.LeakyReLU(0.2), ct.ReLU(), ct.DivLeakyReLU(2.0), ct.LeakyReLU(0.1, inplace=True)]
-            if ours else
-            [nn.LeakyReLU(0.2), nn.ReLU(), TorchDivLeakyReLU(), nn.LeakyReLU(0.1, inplace=True)])
+    acts = (
+        [ct.LeakyReLU(0.2), ct.ReLU(), ct.DivLeakyReLU(2.0), ct.LeakyReLU(0.1, inplace=True)]
+        if ours
+        else [nn.LeakyReLU(0.2), nn.ReLU(), TorchDivLeakyReLU(), nn.LeakyReLU(0.1, inplace=True)]
+    )
     layers = [nn.Linear(8, 16)]
     for a in acts:
         layers += [a, nn.Linear(16, 16)]
@@ -183,6 +209,7 @@ def conv_models(device):
 
 
 # ---- first use: process, thread, device, cache ----
+
 
 @row("cpu", "cuda", "cuda:1")
 def first_backward(device):
@@ -329,14 +356,18 @@ def private_api_fallback(device):
     import importlib
 
     global ct, testing
-    testing = importlib.import_module("cupy_act.testing")
-    hidden = [(torch._C._functorch, "unwrap_if_dead"), (torch._C, "_are_functorch_transforms_active"),
-              (torch._C, "_cuda_getCurrentRawStream"), (torch.autograd.forward_ad, "_current_level")]
+    hidden = [
+        (torch._C._functorch, "unwrap_if_dead"),
+        (torch._C, "_are_functorch_transforms_active"),
+        (torch._C, "_cuda_getCurrentRawStream"),
+        (torch.autograd.forward_ad, "_current_level"),
+    ]
     saved = [(obj, name, getattr(obj, name)) for obj, name in hidden if hasattr(obj, name)]
     for obj, name, _ in saved:
         delattr(obj, name)
     try:
         ct = importlib.import_module("cupy_act.torch")
+        testing = importlib.import_module("cupy_act.testing")
         from cupy_act.torch import _autograd, functional
     finally:
         for obj, name, value in saved:
@@ -349,16 +380,22 @@ def private_api_fallback(device):
 
 # ---- torch.func and forward-mode AD ----
 
+
 @row("cpu", "cuda")
 def func_grad(device):
     """torch.func.grad, of x and of the bias, out of place and in place."""
     x, b, dy, _ = data(device)
     for c in cases():
         for ours, ref, tag in ((c.ours, c.ref, ""), (c.ours_, c.ref_, " in place")):
+
             def loss(f):
                 return lambda u, v: (f(u.clone(), v) * dy).sum()
-            same(torch.func.grad(loss(ours), argnums=(0, 1))(x, b),
-                 torch.func.grad(loss(ref), argnums=(0, 1))(x, b), f"grad {c.name}{tag}")
+
+            same(
+                torch.func.grad(loss(ours), argnums=(0, 1))(x, b),
+                torch.func.grad(loss(ref), argnums=(0, 1))(x, b),
+                f"grad {c.name}{tag}",
+            )
 
 
 @row("cpu", "cuda")
@@ -379,38 +416,57 @@ def func_jvp(device):
     tb = testing.make_input(b.numel(), b.dtype, device, 9)
     for c in cases():
         for ours, ref, tag in ((c.ours, c.ref, ""), (c.ours_, c.ref_, " in place")):
+
             def fn(f):
                 return lambda u, v: f(u.clone(), v)
-            same(torch.func.jvp(fn(ours), (x, b), (t, tb)), torch.func.jvp(fn(ref), (x, b), (t, tb)),
-                 f"jvp {c.name}{tag}")
-            same(torch.func.jvp(lambda u: fn(ours)(u, b), (x,), (t,)),
-                 torch.func.jvp(lambda u: fn(ref)(u, b), (x,), (t,)), f"jvp x only {c.name}{tag}")
+
+            same(
+                torch.func.jvp(fn(ours), (x, b), (t, tb)),
+                torch.func.jvp(fn(ref), (x, b), (t, tb)),
+                f"jvp {c.name}{tag}",
+            )
+            same(
+                torch.func.jvp(lambda u: fn(ours)(u, b), (x,), (t,)),
+                torch.func.jvp(lambda u: fn(ref)(u, b), (x,), (t,)),
+                f"jvp x only {c.name}{tag}",
+            )
 
 
 @row("cpu", "cuda")
 def func_jacrev(device):
     x, b, _, _ = data(device)
     for c in cases():
-        same(torch.func.jacrev(c.ours, argnums=(0, 1))(x, b),
-             torch.func.jacrev(c.ref, argnums=(0, 1))(x, b), f"jacrev {c.name}")
+        same(
+            torch.func.jacrev(c.ours, argnums=(0, 1))(x, b),
+            torch.func.jacrev(c.ref, argnums=(0, 1))(x, b),
+            f"jacrev {c.name}",
+        )
 
 
 @row("cpu", "cuda")
 def func_jacfwd(device):
     x, b, _, _ = data(device)
     for c in cases():
-        same(torch.func.jacfwd(c.ours, argnums=(0, 1))(x, b),
-             torch.func.jacfwd(c.ref, argnums=(0, 1))(x, b), f"jacfwd {c.name}")
+        same(
+            torch.func.jacfwd(c.ours, argnums=(0, 1))(x, b),
+            torch.func.jacfwd(c.ref, argnums=(0, 1))(x, b),
+            f"jacfwd {c.name}",
+        )
 
 
 @row("cpu", "cuda")
 def func_hessian(device):
     x, b, dy, _ = data(device, shape=(2, 3, 2, 2))
     for c in cases():
+
         def loss(f):
             return lambda u: (f(u, b) * dy).sum()
-        same(torch.func.hessian(loss(c.ours))(x), torch.func.hessian(loss(c.ref))(x),
-             f"hessian {c.name}")
+
+        same(
+            torch.func.hessian(loss(c.ours))(x),
+            torch.func.hessian(loss(c.ref))(x),
+            f"hessian {c.name}",
+        )
 
 
 @row("cpu", "cuda")
@@ -420,17 +476,31 @@ def func_vmap(device):
     b = testing.make_input(3, xs.dtype, device, 4)
     bb = testing.make_input(9, xs.dtype, device, 5).view(3, 3)
     for c in cases():
-        same(torch.func.vmap(c.ours, in_dims=(0, None))(xs, b),
-             torch.func.vmap(c.ref, in_dims=(0, None))(xs, b), f"vmap {c.name}")
-        same(torch.func.vmap(c.ours, in_dims=(1, None))(xs, b),
-             torch.func.vmap(c.ref, in_dims=(1, None))(xs, b), f"vmap dim 1 {c.name}")
-        same(torch.func.vmap(c.ours, in_dims=(0, 0))(xs, bb),
-             torch.func.vmap(c.ref, in_dims=(0, 0))(xs, bb), f"vmap x and bias {c.name}")
-        same(torch.func.vmap(c.ours, in_dims=(None, 0))(xs[0], bb),
-             torch.func.vmap(c.ref, in_dims=(None, 0))(xs[0], bb), f"vmap bias only {c.name}")
-        same(torch.func.vmap(lambda u, v: c.ours_(u.clone(), v), in_dims=(0, None))(xs, b),
-             torch.func.vmap(lambda u, v: c.ref_(u.clone(), v), in_dims=(0, None))(xs, b),
-             f"vmap in place {c.name}")
+        same(
+            torch.func.vmap(c.ours, in_dims=(0, None))(xs, b),
+            torch.func.vmap(c.ref, in_dims=(0, None))(xs, b),
+            f"vmap {c.name}",
+        )
+        same(
+            torch.func.vmap(c.ours, in_dims=(1, None))(xs, b),
+            torch.func.vmap(c.ref, in_dims=(1, None))(xs, b),
+            f"vmap dim 1 {c.name}",
+        )
+        same(
+            torch.func.vmap(c.ours, in_dims=(0, 0))(xs, bb),
+            torch.func.vmap(c.ref, in_dims=(0, 0))(xs, bb),
+            f"vmap x and bias {c.name}",
+        )
+        same(
+            torch.func.vmap(c.ours, in_dims=(None, 0))(xs[0], bb),
+            torch.func.vmap(c.ref, in_dims=(None, 0))(xs[0], bb),
+            f"vmap bias only {c.name}",
+        )
+        same(
+            torch.func.vmap(lambda u, v: c.ours_(u.clone(), v), in_dims=(0, None))(xs, b),
+            torch.func.vmap(lambda u, v: c.ref_(u.clone(), v), in_dims=(0, None))(xs, b),
+            f"vmap in place {c.name}",
+        )
 
 
 @row("cpu", "cuda")
@@ -483,8 +553,9 @@ def forward_ad(device):
             for f in (ours, ref):
                 with fwAD.dual_level():
                     # (in place, a dual's tangent is updated in place: give each its own)
-                    out = fwAD.unpack_dual(f(fwAD.make_dual(x.clone(), t.clone()),
-                                             fwAD.make_dual(b, tb.clone())))
+                    out = fwAD.unpack_dual(
+                        f(fwAD.make_dual(x.clone(), t.clone()), fwAD.make_dual(b, tb.clone()))
+                    )
                     assert out.tangent is not None, f"forward AD {c.name}{tag}: tangent dropped"
                     res.append((out.primal.clone(), out.tangent.clone()))
             same(res[0], res[1], f"forward AD {c.name}{tag}")
@@ -498,20 +569,24 @@ def forward_ad(device):
 # signaling NaN that ATen's quiets). How often compiled PyTorch departs from
 # eager PyTorch in the same scenario is printed, for the record.
 
+
 def _compiled_rows(device, **kw):
     torch._dynamo.reset()
 
     def compiled(f):
         return torch.compile(f, fullgraph=True, **kw)
 
-    check_fwd_bwd(device, wrap=compiled, ref_wrap=lambda f: f, compare=same_compiled,
-                  what=f"compile {kw}")
+    check_fwd_bwd(
+        device, wrap=compiled, ref_wrap=lambda f: f, compare=same_compiled, what=f"compile {kw}"
+    )
     x, b, dy, _ = data(device)
     differ = 0
     for c in cases():
         got, want = fwd_bwd(compiled(c.ref), x, b, dy), fwd_bwd(c.ref, x, b, dy)
-        differ += sum(int((testing.bits(a) != testing.bits(e)).sum())
-                      for a, e in zip((got[0], got[1][0]), (want[0], want[1][0])))
+        differ += sum(
+            int((testing.bits(a) != testing.bits(e)).sum())
+            for a, e in zip((got[0], got[1][0]), (want[0], want[1][0]))
+        )
     print(f"note: compiled PyTorch differs from eager PyTorch in {differ} elements of y and dx")
 
 
@@ -538,13 +613,15 @@ def compile_dynamic(device):
         f_ours = torch.compile(c.ours, fullgraph=True, dynamic=True)
         for n in (2, 5, 7):
             x, b, dy, _ = data(device, shape=(n, 3, 4, 5))
-            same_compiled(fwd_bwd(f_ours, x, b, dy), fwd_bwd(c.ref, x, b, dy),
-                          f"dynamic {c.name} n={n}")
+            same_compiled(
+                fwd_bwd(f_ours, x, b, dy), fwd_bwd(c.ref, x, b, dy), f"dynamic {c.name} n={n}"
+            )
 
 
 @row("cpu", "cuda")
 def compile_training_step(device):
     """A compiled model trains with the losses of the eager model using torch's modules."""
+
     def losses(model, compiled):
         step = torch.compile(model, fullgraph=True) if compiled else model
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -563,7 +640,10 @@ def compile_training_step(device):
     # the compiled graph may fuse the linear layers differently from eager, so
     # each model is compared with itself: ours compiled against ours eager is
     # the adapter's claim; the reference shows how close eager PyTorch's own is
-    eager_ours, compiled_ours = losses(mlp(True).to(device), False), losses(mlp(True).to(device), True)
+    eager_ours, compiled_ours = (
+        losses(mlp(True).to(device), False),
+        losses(mlp(True).to(device), True),
+    )
     eager_ref = losses(mlp(False).to(device), False)
     same(eager_ours, eager_ref, "eager losses: ours vs torch's modules")
     torch.testing.assert_close(compiled_ours, eager_ours, rtol=1e-5, atol=1e-6)
@@ -572,6 +652,7 @@ def compile_training_step(device):
 @row("cuda")
 def cuda_graph(device):
     """Forward and backward captured in a CUDA graph, replayed on new data."""
+
     def capture(f):
         x, b, dy, _ = data(device)
         xs = x.clone().requires_grad_(True)
@@ -606,13 +687,19 @@ def _checkpointed(use_reentrant):
 
     def wrap(f):
         return lambda x, b: checkpoint(f, x, b, use_reentrant=use_reentrant)
+
     return wrap
 
 
 @row("cpu", "cuda")
 def checkpoint_reentrant(device):
-    check_fwd_bwd(device, wrap=_checkpointed(True), what="checkpoint reentrant", in_place=False,
-                  via_backward=True)  # reentrant checkpointing refuses autograd.grad
+    check_fwd_bwd(
+        device,
+        wrap=_checkpointed(True),
+        what="checkpoint reentrant",
+        in_place=False,
+        via_backward=True,
+    )  # reentrant checkpointing refuses autograd.grad
 
 
 @row("cpu", "cuda")
@@ -630,7 +717,9 @@ def _autocast(device, dtype):
             with torch.autocast(kind, dtype=dtype):
                 h = lin(x)  # autocast: the activation sees a 16-bit tensor
                 return f(h, b.to(h.dtype))
+
         return g
+
     x, b, dy, _ = data(device)
     for c in cases():
         (y, grads), (ry, rgrads) = fwd_bwd(wrap(c.ours), x, b, dy), fwd_bwd(wrap(c.ref), x, b, dy)
@@ -668,6 +757,7 @@ def export(device):
 
 
 # ---- grad modes, determinism, bias, streams ----
+
 
 @row("cpu", "cuda")
 def no_grad(device):
@@ -763,6 +853,7 @@ def fsdp2(device):
             if isinstance(layer, nn.Linear):
                 fully_shard(layer)
         return fully_shard(m)
+
     _distributed_losses(device, wrap)
 
 

@@ -18,7 +18,11 @@ class FakeDeviceArray:
 
     def __init__(self, typestr, shape=(4,)):
         self.__cuda_array_interface__ = {
-            "shape": shape, "typestr": typestr, "data": (0, False), "version": 3}
+            "shape": shape,
+            "typestr": typestr,
+            "data": (0, False),
+            "version": 3,
+        }
 
 
 ALL_FORWARD = [
@@ -51,9 +55,17 @@ def test_non_arrays_refused(bad):
         cupy_act.relu(bad)
 
 
-@pytest.mark.parametrize("typestr,name", [
-    ("<i4", "int32"), ("|b1", "bool"), ("<c8", "complex64"), ("|u1", "uint8"),
-    ("<i8", "int64"), ("<c16", "complex128")])
+@pytest.mark.parametrize(
+    "typestr,name",
+    [
+        ("<i4", "int32"),
+        ("|b1", "bool"),
+        ("<c8", "complex64"),
+        ("|u1", "uint8"),
+        ("<i8", "int64"),
+        ("<c16", "complex128"),
+    ],
+)
 def test_unsupported_dtypes_named(typestr, name):
     with pytest.raises(TypeError, match=f"x has dtype {name}; supported: float32"):
         cupy_act.leaky_relu(FakeDeviceArray(typestr))
@@ -61,7 +73,9 @@ def test_unsupported_dtypes_named(typestr, name):
 
 @pytest.mark.parametrize("divisor", [0, 0.0, -0.0, float("inf"), float("-inf"), float("nan")])
 def test_zero_or_non_finite_divisor(divisor):
-    with pytest.raises(ValueError, match=f"divisor must be a finite, non-zero number, got {divisor!r}"):
+    with pytest.raises(
+        ValueError, match=f"divisor must be a finite, non-zero number, got {divisor!r}"
+    ):
         cupy_act.div_leaky_relu(FakeDeviceArray("<f4"), divisor)
 
 
@@ -93,15 +107,29 @@ def test_scalars_round_as_pytorch_does():
         _scalars.reciprocal(2**70, True, "f")
 
 
-@pytest.mark.parametrize("n,nbytes", [(0, 0), (1, 16), (128, 16), (129, 32), (2**31 + 1, 2**28 + 16)])
+@pytest.mark.parametrize(
+    "n,nbytes", [(0, 0), (1, 16), (128, 16), (129, 32), (2**31 + 1, 2**28 + 16)]
+)
 def test_mask_nbytes(n, nbytes):
     assert cupy_act.mask_nbytes(n) == nbytes
     assert nbytes % 16 == 0 and (n + 7) // 8 <= nbytes < (n + 7) // 8 + 16
 
 
 def test_instantiation_table():
+    """Every op x dtype x kind, plus forward kinds with bias for ops with a divisor;
+    each (op, dtype) module holds its own, and launch shapes fit the mask store."""
+    from cupy_act._kernels import DTYPES, ITEMSIZE, module_keys
+    from cupy_act._registry import KINDS, OPS
+
     names = all_kernel_names()
-    assert len(names) == len(set(names)) == 3 * 4 * 3 + 4 * 2
+    with_bias = sum(op.divisor for op in OPS.values())
+    assert len(names) == len(set(names)) == len(DTYPES) * (len(OPS) * len(KINDS) + 2 * with_bias)
+    for name, op in OPS.items():
+        for dtype in DTYPES:
+            keys = module_keys(name, dtype)
+            assert {k[2] for k in keys} == set(KINDS) and all(k[:2] == (name, dtype) for k in keys)
+            size = ITEMSIZE[dtype]
+            assert op.unroll["forward_mask"][size] <= 32 // (16 // size)
 
 
 def test_import_does_not_import_torch():
@@ -123,9 +151,12 @@ def test_launch_makes_the_kernels_context_current(monkeypatch):
         current["ctx"] = ctx
 
     monkeypatch.setattr(_launch, "_ctx_set_current", set_current)
-    monkeypatch.setattr(_launch, "_launch_kernel",
-                        lambda *a: calls.append(("launch", current["ctx"])))
-    k = Kernel(ptr=1, threads=128, per_block=512, max_blocks=10, wide=False, ctx=0xC0, function=None)
+    monkeypatch.setattr(
+        _launch, "_launch_kernel", lambda *a: calls.append(("launch", current["ctx"]))
+    )
+    k = Kernel(
+        ptr=1, threads=128, per_block=512, max_blocks=10, wide=False, ctx=0xC0, function=None
+    )
     # no context current (a fresh thread): made current and left current
     _launch.launch(k, 0, 100, 0, 0)
     assert calls == [("set", 0xC0), ("launch", 0xC0)] and current["ctx"] == 0xC0

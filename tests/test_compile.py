@@ -7,9 +7,11 @@ import pytest
 
 pytest.importorskip("cupy")
 
-from cupy_act import _launch  # noqa: E402
+from cupy_act import (
+    _launch,  # noqa: E402
+    _loader,  # noqa: E402
+)
 from cupy_act._kernels import all_kernel_names, kernel_name  # noqa: E402
-from cupy_act import _loader  # noqa: E402
 
 compile_ptx = functools.lru_cache(maxsize=None)(_loader.compile_ptx)
 

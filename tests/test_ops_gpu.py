@@ -14,17 +14,12 @@ pytestmark = pytest.mark.gpu
 
 SIZES = [0, 1, 3, 31, 32, 33, 127, 128, 129, 4097, 2**20 + 7]
 LAYOUTS = ["contiguous", "misaligned", "transposed", "step2"]
-# (op, negative_slope, divisor)
-CASES = [
-    ("relu", None, None),
-    ("leaky_relu", 0.01, None),
-    ("leaky_relu", -0.3, None),
-    ("div_leaky_relu", 0.01, 2.0),
-    ("div_leaky_relu", 0.2, -3.7),
-    ("div_leaky_relu", 0.01, -1.7),  # 1/d rounds differently in float32 and in double
-    ("div_leaky_relu", 0.01, 9.1),
-]
-CASE_IDS = [f"{op}-s{s}-d{d}" for op, s, d in CASES]
+# (op, negative_slope, divisor) for every registry op; 1/d for d = -1.7 and 9.1
+# rounds differently in float32 and in double
+CASES = testing.cases(
+    slopes=(0.01, -0.3), divided=((0.01, 2.0), (0.2, -3.7), (0.01, -1.7), (0.01, 9.1))
+)
+CASE_IDS = [testing.case_id(c) for c in CASES]
 DTYPE_IDS = [str(d).replace("torch.", "") for d in testing.DTYPES]
 
 
@@ -41,28 +36,29 @@ def make_layout(n, dtype, layout, seed=0):
 
 def poison(shape, dtype):
     """A buffer full of a NaN pattern that no kernel here produces."""
-    pattern = {torch.float32: 0x7FBADBAD, torch.float64: 0x7FF4BADBADBADBAD,
-               torch.float16: 0x7D5A, torch.bfloat16: 0x7F5A}[dtype]
+    pattern = {
+        torch.float32: 0x7FBADBAD,
+        torch.float64: 0x7FF4BADBADBADBAD,
+        torch.float16: 0x7D5A,
+        torch.bfloat16: 0x7F5A,
+    }[dtype]
     itype = testing.INT_VIEW[dtype]
     return torch.full(shape, pattern, dtype=itype, device="cuda").view(dtype)
 
 
 def fns(op):
-    return (getattr(cupy_act, op), getattr(cupy_act, op + "_with_mask"),
-            getattr(cupy_act, op + "_backward"))
+    return (
+        getattr(cupy_act, op),
+        getattr(cupy_act, op + "_with_mask"),
+        getattr(cupy_act, op + "_backward"),
+    )
 
 
-def kwargs(op, slope, divisor):
-    kw = {}
-    if op != "relu":
-        kw["negative_slope"] = slope
-    if divisor is not None:
-        kw["divisor"] = divisor
-    return kw
+kwargs = testing.op_kwargs
 
 
 def ref_kwargs(slope, divisor):
-    return {"slope": 0.01 if slope is None else slope, "divisor": divisor}
+    return {"slope": slope, "divisor": divisor}
 
 
 def check_mask(mask, expected_bits):
@@ -140,8 +136,13 @@ def test_bias_bit_exact(layout, dtype):
     # nchw_wide: H*W a multiple of every vector width, so the vector path takes
     # one bias per vector; the others step the channel element by element;
     # large: indices up to 2^24 through the kernel's reciprocal division
-    shape = {"nchw": (2, 3, 5, 7), "channels_last": (4, 16, 9, 11), "odd": (3, 5, 1, 33),
-             "nchw_wide": (3, 5, 16, 24), "large": (2, 7, 1000, 1003)}[layout]
+    shape = {
+        "nchw": (2, 3, 5, 7),
+        "channels_last": (4, 16, 9, 11),
+        "odd": (3, 5, 1, 33),
+        "nchw_wide": (3, 5, 16, 24),
+        "large": (2, 7, 1000, 1003),
+    }[layout]
     xt = testing.make_input(torch.Size(shape).numel(), dtype, seed=6).view(shape)
     if layout == "channels_last":
         xt = xt.contiguous(memory_format=torch.channels_last)
@@ -151,14 +152,17 @@ def test_bias_bit_exact(layout, dtype):
         y = cupy_act.div_leaky_relu(cupy.from_dlpack(xt), divisor, slope, bias=cupy.from_dlpack(bt))
         assert_bits_equal(torch.from_dlpack(y), expected, "bias forward")
         y, m = cupy_act.div_leaky_relu_with_mask(
-            cupy.from_dlpack(xt), divisor, slope, bias=cupy.from_dlpack(bt))
+            cupy.from_dlpack(xt), divisor, slope, bias=cupy.from_dlpack(bt)
+        )
         assert_bits_equal(torch.from_dlpack(y), expected, "bias forward with mask")
         check_mask(m, testing.mask_bits("div_leaky_relu", xt, divisor, bt))
         dyt = testing.make_input(xt.numel(), dtype, seed=8).view(shape)
         dx = cupy_act.div_leaky_relu_backward(cupy.from_dlpack(dyt), m, divisor, slope)
-        assert_bits_equal(torch.from_dlpack(dx),
-                          testing.backward("div_leaky_relu", xt, dyt, slope, divisor, bt),
-                          "bias backward")
+        assert_bits_equal(
+            torch.from_dlpack(dx),
+            testing.backward("div_leaky_relu", xt, dyt, slope, divisor, bt),
+            "bias backward",
+        )
 
 
 def test_conv_without_bias_then_fused_pass_matches_conv_with_bias():
@@ -191,10 +195,13 @@ def test_empty_input_launches_nothing():
 
 def test_side_stream_queued_behind_long_kernel():
     """The kernel must run on the current stream, after work queued there."""
-    spin = cupy.RawKernel(r'''
+    spin = cupy.RawKernel(
+        r"""
     extern "C" __global__ void spin(long long cycles) {
         long long t0 = clock64(); while (clock64() - t0 < cycles) {}
-    }''', "spin")
+    }""",
+        "spin",
+    )
     n = 1 << 22
     xt = testing.make_input(n, torch.float32, seed=10)
     final = cupy.from_dlpack(xt)

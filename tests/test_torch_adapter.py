@@ -13,22 +13,17 @@ from torch import nn  # noqa: E402
 import cupy_act  # noqa: E402
 import cupy_act.torch as ct  # noqa: E402
 from cupy_act import testing  # noqa: E402
+from cupy_act._registry import OPS  # noqa: E402
 from cupy_act.testing import assert_bits_equal  # noqa: E402
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 DTYPE_IDS = [str(d)[6:] for d in testing.DTYPES]
-# (op, slope, divisor)
-CASES = [("relu", 0.01, None), ("leaky_relu", 0.01, None), ("leaky_relu", -0.5, None),
-         ("leaky_relu", 0.0, None), ("div_leaky_relu", 0.01, 2.0), ("div_leaky_relu", 0.3, -1.7)]
-CASE_IDS = [f"{op}-s{s}-d{d}" for op, s, d in CASES]
+CASES = testing.cases()  # (op, slope, divisor) for every registry op
+CASE_IDS = [testing.case_id(c) for c in CASES]
 
 
 def call(op, x, slope, divisor, **kw):
-    if op == "relu":
-        return ct.relu(x, **kw)
-    if op == "leaky_relu":
-        return ct.leaky_relu(x, slope, **kw)
-    return ct.div_leaky_relu(x, divisor, slope, **kw)
+    return testing.call(ct, op, x, slope, divisor, **kw)
 
 
 def make(n, dtype, device, layout, seed=0):
@@ -129,7 +124,7 @@ def test_saved_memory_is_the_mask_only(dtype, device):
 def test_gradcheck_and_gradgradcheck_float64(case, device):
     op, slope, divisor = case
     g = torch.Generator().manual_seed(0)
-    x = (torch.rand(3, 4, 5, generator=g, dtype=torch.float64) + 0.1)
+    x = torch.rand(3, 4, 5, generator=g, dtype=torch.float64) + 0.1
     x = (x * torch.randint(0, 2, x.shape, generator=g) * 2 - x).to(device).requires_grad_(True)
     fn = lambda t: call(op, t, slope, divisor)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (x,))
@@ -229,9 +224,15 @@ def test_conv_module_state_dict_round_trip(device):
 def test_torch_compile_fullgraph_trains_like_eager(device):
     def run(compiled):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 32), ct.LeakyReLU(0.1), nn.Linear(32, 32),
-                              ct.DivLeakyReLU(2.0), nn.Linear(32, 32), ct.ReLU(),
-                              nn.Linear(32, 1)).to(device)
+        model = nn.Sequential(
+            nn.Linear(16, 32),
+            ct.LeakyReLU(0.1),
+            nn.Linear(32, 32),
+            ct.DivLeakyReLU(2.0),
+            nn.Linear(32, 32),
+            ct.ReLU(),
+            nn.Linear(32, 1),
+        ).to(device)
         step_model = torch.compile(model, fullgraph=True) if compiled else model
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         g = torch.Generator().manual_seed(1)
@@ -260,12 +261,14 @@ def test_opcheck(device):
     x = torch.randn(2, 3, 4, 5, device=device)  # finite: opcheck compares with NaN != NaN
     b = torch.randn(3, device=device)
     for op, s, d in CASES:
-        bias = b if op == "div_leaky_relu" else None
+        bias = b if OPS[op].divisor else None
         d = 1.0 if d is None else d
         torch.library.opcheck(L.forward_op, (x, op, s, d, bias))
         torch.library.opcheck(L.forward_mask_op, (x.clone().requires_grad_(True), op, s, d, bias))
         mask = L.forward_mask_op(x, op, s, d, bias)[1]
-        torch.library.opcheck(L.backward_op, (x.clone().requires_grad_(True), mask, op, s, d, False))
+        torch.library.opcheck(
+            L.backward_op, (x.clone().requires_grad_(True), mask, op, s, d, False)
+        )
         torch.library.opcheck(L.forward_mask_inplace_op, (x.clone(), op, s, d, bias))
 
 

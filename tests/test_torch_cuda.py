@@ -35,8 +35,9 @@ def test_cuda_graph_capture_forward_and_backward():
         g.replay()
         torch.cuda.synchronize()
         assert_bits_equal(y, testing.forward("div_leaky_relu", new, 0.1, 2.0), "graph forward")
-        assert_bits_equal(static_x.grad, testing.backward("div_leaky_relu", new, dy, 0.1, 2.0),
-                          "graph backward")
+        assert_bits_equal(
+            static_x.grad, testing.backward("div_leaky_relu", new, dy, 0.1, 2.0), "graph backward"
+        )
 
 
 def test_runs_on_torch_current_stream_behind_long_work():

@@ -19,20 +19,35 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_wheel_installs_and_compiles(tmp_path):
     dist = tmp_path / "dist"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-         "-q", "-w", str(dist), str(ROOT)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(dist),
+            str(ROOT),
+        ],
         check=True,
     )
     (wheel,) = dist.glob("cupy_act-*.whl")
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = venv / "bin" / "python"
-    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
-                   check=True)
+    subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True
+    )
     # Dependencies (CuPy, NVRTC, NumPy) come from this interpreter's site-packages,
     # placed after the fresh environment's own, so cupy_act resolves to the wheel.
-    purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             check=True, capture_output=True, text=True).stdout.strip()
+    purelib = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     Path(purelib, "zz_parent.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     check = textwrap.dedent(f"""
         import cupy_act, cupy_act._source as s, cupy_act._loader as l
@@ -44,7 +59,14 @@ def test_wheel_installs_and_compiles(tmp_path):
     """)
     # cuda-pathfinder searches only the running environment's site-packages for
     # NVRTC, so point the loader at this environment's copy.
-    libdirs = {str(p.parent) for p in Path(sysconfig.get_paths()["purelib"]).glob("nvidia/**/libnvrtc.so*")}
-    env = dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join([*libdirs, os.environ.get("LD_LIBRARY_PATH", "")]))
-    out = subprocess.run([str(py), "-c", check], capture_output=True, text=True, cwd=tmp_path, env=env)
+    libdirs = {
+        str(p.parent) for p in Path(sysconfig.get_paths()["purelib"]).glob("nvidia/**/libnvrtc.so*")
+    }
+    env = dict(
+        os.environ,
+        LD_LIBRARY_PATH=os.pathsep.join([*libdirs, os.environ.get("LD_LIBRARY_PATH", "")]),
+    )
+    out = subprocess.run(
+        [str(py), "-c", check], capture_output=True, text=True, cwd=tmp_path, env=env
+    )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr

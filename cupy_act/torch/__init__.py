@@ -6,16 +6,12 @@ bit for bit PyTorch's. CUDA tensors run the cupy_act kernels on torch's
 current stream; CPU tensors run a plain-torch implementation of the same ops.
 """
 
-from . import _library  # noqa: F401  (registers the cupy_act:: custom ops)
-from .functional import div_leaky_relu, leaky_relu, relu
-from .modules import ConvDivLeakyReLU, DivLeakyReLU, LeakyReLU, ReLU
+from . import (
+    _library,  # noqa: F401  (registers the cupy_act:: custom ops)
+    functional,
+    modules,
+)
+from .functional import *  # noqa: F403  (the public functions, listed in functional.__all__)
+from .modules import *  # noqa: F403  (the nn.Modules, listed in modules.__all__)
 
-__all__ = [
-    "relu",
-    "leaky_relu",
-    "div_leaky_relu",
-    "ReLU",
-    "LeakyReLU",
-    "DivLeakyReLU",
-    "ConvDivLeakyReLU",
-]
+__all__ = [*functional.__all__, *modules.__all__]

@@ -27,6 +27,7 @@ import math
 
 import torch
 
+from .. import _registry
 from . import _impl, _library
 
 try:  # private; without it every call takes the transform-aware path
@@ -77,8 +78,9 @@ def _tangent(ctx, x_t, bias_t):
         t = b.expand(ctx.shape) if t is None else t + b
     if t is None:
         return None
-    if op == "div_leaky_relu":  # t / divisor first, then leaky_relu's own jvp
-        t, op = t / divisor, "leaky_relu"
+    spec = _registry.OPS[op]
+    if spec.divisor:  # t / divisor first, then the undivided activation's own jvp
+        t, op = t / divisor, spec.undivided
     return Backward.apply(t, mask, op, slope, 1.0, cl)
 
 

@@ -13,8 +13,6 @@ mutating ops); functional.py wraps it in an autograd.Function instead.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from . import _impl
@@ -27,7 +25,7 @@ def _like(x: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("cupy_act::forward", mutates_args=())
-def forward_op(x: Tensor, op: str, slope: float, divisor: float, bias: Optional[Tensor]) -> Tensor:
+def forward_op(x: Tensor, op: str, slope: float, divisor: float, bias: Tensor | None) -> Tensor:
     return _impl.forward(x, op, slope, divisor, bias)
 
 
@@ -38,7 +36,7 @@ def _(x, op, slope, divisor, bias):
 
 @torch.library.custom_op("cupy_act::forward_mask", mutates_args=())
 def forward_mask_op(
-    x: Tensor, op: str, slope: float, divisor: float, bias: Optional[Tensor]
+    x: Tensor, op: str, slope: float, divisor: float, bias: Tensor | None
 ) -> tuple[Tensor, Tensor]:
     return _impl.forward_mask(x, op, slope, divisor, bias)
 
@@ -62,7 +60,7 @@ def _(dy, mask, op, slope, divisor, channels_last):
 
 @torch.library.custom_op("cupy_act::forward_mask_", mutates_args=("x",))
 def forward_mask_inplace_op(
-    x: Tensor, op: str, slope: float, divisor: float, bias: Optional[Tensor]
+    x: Tensor, op: str, slope: float, divisor: float, bias: Tensor | None
 ) -> Tensor:
     return _impl.forward_mask_(x, op, slope, divisor, bias)
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import math
 from types import SimpleNamespace
-from typing import Optional
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
+from .. import _registry
 from .._arrays import SUPPORTED
 from .._scalars import check_divisor, check_real
 from . import _autograd, _impl, _library
@@ -29,14 +29,15 @@ __all__ = ["relu", "leaky_relu", "div_leaky_relu"]
 Tensor = torch.Tensor
 
 
-def _check(fname: str, x, divisor, slope, bias) -> None:
+def _check(fname: str, op: str, x, slope, divisor, bias) -> None:
     if not isinstance(x, Tensor):
         raise TypeError(f"{fname}: input must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _impl.DTYPE_NAMES:
         raise TypeError(f"{fname}: input has dtype {x.dtype}; supported: {SUPPORTED}")
-    if type(slope) is not float:
+    spec = _registry.OPS[op]
+    if spec.slope and type(slope) is not float:  # (the common case costs one type check)
         check_real(slope, "negative_slope", fname)
-    if divisor is not None and not (type(divisor) is float and divisor and math.isfinite(divisor)):
+    if spec.divisor and not (type(divisor) is float and divisor and math.isfinite(divisor)):
         check_divisor(divisor, fname)
     if bias is not None:
         if not isinstance(bias, Tensor):
@@ -61,20 +62,27 @@ def _check(fname: str, x, divisor, slope, bias) -> None:
 _functorch_active = _autograd._functorch_active
 try:
     _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
-    _act_apply = super(torch.autograd.Function, _autograd.Act).apply
+    _apply_of = {  # inplace -> the C++ apply of Act / ActInplace
+        False: super(torch.autograd.Function, _autograd.Act).apply,
+        True: super(torch.autograd.Function, _autograd.ActInplace).apply,
+    }
 
-    def _act(x, bias, op, slope, divisor):
-        return _act_apply(_unwrap_if_dead(x), None if bias is None else _unwrap_if_dead(bias),
-                          op, slope, divisor)[0]
+    def _act(x, bias, op, slope, divisor, inplace=False):
+        b = None if bias is None else _unwrap_if_dead(bias)
+        return _apply_of[inplace](_unwrap_if_dead(x), b, op, slope, divisor)[0]
 except AttributeError:  # pragma: no cover - depends on the torch version
 
-    def _act(x, bias, op, slope, divisor):
-        return _autograd.Act.apply(x, bias, op, slope, divisor)[0]
+    def _act(x, bias, op, slope, divisor, inplace=False):
+        fn = _autograd.ActInplace if inplace else _autograd.Act
+        return fn.apply(x, bias, op, slope, divisor)[0]
 
 
 # (read inline in _apply; without the private global, a stand-in says "active")
-_fwd_levels = (_forward_ad if isinstance(getattr(_forward_ad, "_current_level", None), int)
-               else SimpleNamespace(_current_level=0))
+_fwd_levels = (
+    _forward_ad
+    if isinstance(getattr(_forward_ad, "_current_level", None), int)
+    else SimpleNamespace(_current_level=0)
+)
 
 
 def _forward_ad_active() -> bool:
@@ -88,7 +96,7 @@ def _needs_grad(x, bias) -> bool:
 
 
 def _apply(fname, op, x, slope, divisor, bias, inplace):
-    _check(fname, x, divisor if op == "div_leaky_relu" else None, slope, bias)
+    _check(fname, op, x, slope, divisor, bias)
     slope, divisor = float(slope), float(divisor)
     if bias is not None:
         bias = bias.contiguous()
@@ -97,10 +105,12 @@ def _apply(fname, op, x, slope, divisor, bias, inplace):
     if _functorch_active() or _fwd_levels._current_level >= 0:  # transforms, forward AD
         fn = _autograd.ActInplace if inplace else _autograd.Act
         return fn.apply(x, bias, op, slope, divisor)[0]
-    needs_grad = _needs_grad(x, bias)
+    needs_grad = torch.is_grad_enabled() and (  # (inline: a call costs 0.1 us)
+        x.requires_grad or (bias is not None and bias.requires_grad)
+    )
     if inplace:
         if needs_grad:
-            return _autograd.ActInplace.apply(x, bias, op, slope, divisor)[0]
+            return _act(x, bias, op, slope, divisor, inplace=True)
         _impl.forward_mask_(x, op, slope, divisor, bias, with_mask=False)
         torch.autograd.graph.increment_version(x)
         return x
@@ -138,8 +148,9 @@ def leaky_relu(input: Tensor, negative_slope: float = 0.01, inplace: bool = Fals
     Unlike PyTorch, ``inplace=True`` works under autograd for any slope
     (0 and negative ones included): the backward needs only the mask.
     """
-    return _apply("cupy_act.torch.leaky_relu", "leaky_relu", input, negative_slope, 1.0, None,
-                  inplace)
+    return _apply(
+        "cupy_act.torch.leaky_relu", "leaky_relu", input, negative_slope, 1.0, None, inplace
+    )
 
 
 def div_leaky_relu(
@@ -147,7 +158,7 @@ def div_leaky_relu(
     divisor: float,
     negative_slope: float = 0.01,
     inplace: bool = False,
-    bias: Optional[Tensor] = None,
+    bias: Tensor | None = None,
 ) -> Tensor:
     """``F.leaky_relu((input + bias) / divisor, negative_slope)`` in one fused pass.
 
@@ -156,5 +167,12 @@ def div_leaky_relu(
     Saves a 1-bit mask; the bias gradient is the input gradient summed over all
     axes but 1.
     """
-    return _apply("cupy_act.torch.div_leaky_relu", "div_leaky_relu", input, negative_slope,
-                  divisor, bias, inplace)
+    return _apply(
+        "cupy_act.torch.div_leaky_relu",
+        "div_leaky_relu",
+        input,
+        negative_slope,
+        divisor,
+        bias,
+        inplace,
+    )

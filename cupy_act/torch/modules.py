@@ -56,8 +56,10 @@ class DivLeakyReLU(nn.Module):
         return F.div_leaky_relu(input, self.divisor, self.negative_slope, self.inplace)
 
     def extra_repr(self) -> str:
-        return (f"divisor={self.divisor}, negative_slope={self.negative_slope}"
-                f"{_inplace_repr(self.inplace)}")
+        return (
+            f"divisor={self.divisor}, negative_slope={self.negative_slope}"
+            f"{_inplace_repr(self.inplace)}"
+        )
 
 
 class ConvDivLeakyReLU(nn.Module):
@@ -68,14 +70,23 @@ class ConvDivLeakyReLU(nn.Module):
     On CUDA the convolution runs in PyTorch without its bias; bias, division,
     LeakyReLU and the mask follow in one fused pass (PyTorch's CUDA convolution
     adds its bias in a separate pass, so this is bit-identical to the eager
-    model). On the CPU, where the convolution adds the bias itself, it keeps it. ``channels_last=True`` runs the convolution in channels-last
+    model). On the CPU, where the convolution adds the bias itself, it keeps it.
+    ``channels_last=True`` runs the convolution in channels-last
     layout (where cuDNN may use TF32 tensor cores as
     ``torch.backends.cudnn.allow_tf32`` permits, as torch.compile's choice of
     layout does) and returns a channels-last output.
     """
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size, divisor: float,
-                 negative_slope: float = 0.01, channels_last: bool = False, **conv_kwargs) -> None:
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size,
+        divisor: float,
+        negative_slope: float = 0.01,
+        channels_last: bool = False,
+        **conv_kwargs,
+    ) -> None:
         super().__init__()
         self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, **conv_kwargs)
         self.divisor = divisor
@@ -96,5 +107,6 @@ class ConvDivLeakyReLU(nn.Module):
         return F.div_leaky_relu(pre, self.divisor, self.negative_slope, bias=self.conv.bias)
 
     def extra_repr(self) -> str:
-        return (f"divisor={self.divisor}, negative_slope={self.negative_slope}"
-                + (", channels_last=True" if self.channels_last else ""))
+        return f"divisor={self.divisor}, negative_slope={self.negative_slope}" + (
+            ", channels_last=True" if self.channels_last else ""
+        )

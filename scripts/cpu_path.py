@@ -1,0 +1,56 @@
+"""Autograd forward + backward on the CPU: cupy_act's plain-torch path against torch.
+
+    PYTHONPATH=. python scripts/cpu_path.py [--log2n 24] [--rounds 15]
+
+Each round times torch's op and ours once each, alternating, on the same
+float32 input and upstream gradient; printed is the least time of each over
+the rounds (the runs the rest of the machine disturbed least) and their ratio,
+for every registry op.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import cupy_act.torch as ct
+from cupy_act import testing
+from cupy_act._registry import OPS
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--log2n", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=15)
+    args = ap.parse_args()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1 << args.log2n, generator=g)
+    dy = torch.randn(1 << args.log2n, generator=g)
+    print(f"autograd fwd+bwd, 2^{args.log2n} float32 on the CPU, {torch.get_num_threads()} threads")
+    print(f"{'op':16s} {'torch ms':>9s} {'cupy_act ms':>12s} {'ratio':>7s}")
+    for op in OPS:
+        kw = testing.op_kwargs(op, 0.01, 2.0)
+
+        def ref(u, op=op):
+            return testing.forward(op, u, 0.01, 2.0)
+
+        def ours(u, op=op, kw=kw):
+            return getattr(ct, op)(u, **kw)
+
+        best = {}
+        for _ in range(args.rounds):
+            for name, f in (("torch", ref), ("ours", ours)):
+                xr = x.detach().requires_grad_(True)
+                t0 = time.perf_counter()
+                torch.autograd.grad(f(xr), xr, dy)
+                best[name] = min(best.get(name, 1e9), (time.perf_counter() - t0) * 1e3)
+        print(
+            f"{op:16s} {best['torch']:9.1f} {best['ours']:12.1f} "
+            f"{best['ours'] / best['torch']:6.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
