@@ -7,8 +7,10 @@ imports torch and cupy_act, makes a CUDA tensor, then times its first
 ``cupy_act.torch.leaky_relu`` call (compiling or loading that op's module) to
 a synchronized result, and then a first autograd forward + backward of
 another op. "empty" starts from an empty cache directory, "warm" reuses the
-one the empty run filled. Last, ``python -m cupy_act --precompile`` in an
-empty cache reports the time to build every module.
+one the empty run filled; "torch's own ops" makes the same calls with
+torch.nn.functional, for the cost PyTorch itself has on first use. Last,
+``python -m cupy_act --precompile`` in an empty cache reports the time to
+build every module.
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ import subprocess
 import sys
 import tempfile
 
+# LIB is cupy_act.torch, or torch.nn.functional for the baseline: the same
+# calls with PyTorch's own ops, whose first autograd backward of a process has
+# a cost of its own (the engine's device threads)
 CHILD = r"""
 import time, torch
-import cupy_act.torch as ct
+import {lib} as ct
 x = torch.randn(1 << 20, device="cuda")
 torch.cuda.synchronize()
 t0 = time.perf_counter()
@@ -33,7 +38,7 @@ t1 = time.perf_counter()
 xr = x.clone().requires_grad_(True)
 torch.autograd.grad(ct.relu(xr), xr, x)
 torch.cuda.synchronize()
-print(f"first={t1 - t0:.3f} second_op_fwd_bwd={time.perf_counter() - t1:.3f}")
+print(f"first={{t1 - t0:.3f}} second_op_fwd_bwd={{time.perf_counter() - t1:.3f}}")
 """
 
 
@@ -52,8 +57,13 @@ def main() -> None:
     res: dict[str, list[float]] = {}
     for _ in range(args.runs):
         with tempfile.TemporaryDirectory() as cache:
-            for state in ("empty", "warm"):
-                m = re.search(r"first=(\S+) second_op_fwd_bwd=(\S+)", child(cache, "-c", CHILD))
+            for state, lib in (
+                ("empty", "cupy_act.torch"),
+                ("warm", "cupy_act.torch"),
+                ("torch's own ops", "torch.nn.functional"),
+            ):
+                out = child(cache, "-c", CHILD.format(lib=lib))
+                m = re.search(r"first=(\S+) second_op_fwd_bwd=(\S+)", out)
                 res.setdefault(f"{state}: first leaky_relu call", []).append(float(m.group(1)))
                 res.setdefault(f"{state}: then relu fwd+bwd", []).append(float(m.group(2)))
     with tempfile.TemporaryDirectory() as cache:

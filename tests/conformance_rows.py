@@ -432,26 +432,24 @@ def func_jvp(device):
             )
 
 
-@row("cpu", "cuda")
-def func_jacrev(device):
+def _jacobians(device, transform):
     x, b, _, _ = data(device)
     for c in cases():
         same(
-            torch.func.jacrev(c.ours, argnums=(0, 1))(x, b),
-            torch.func.jacrev(c.ref, argnums=(0, 1))(x, b),
-            f"jacrev {c.name}",
+            transform(c.ours, argnums=(0, 1))(x, b),
+            transform(c.ref, argnums=(0, 1))(x, b),
+            f"{transform.__name__} {c.name}",
         )
+
+
+@row("cpu", "cuda")
+def func_jacrev(device):
+    _jacobians(device, torch.func.jacrev)
 
 
 @row("cpu", "cuda")
 def func_jacfwd(device):
-    x, b, _, _ = data(device)
-    for c in cases():
-        same(
-            torch.func.jacfwd(c.ours, argnums=(0, 1))(x, b),
-            torch.func.jacfwd(c.ref, argnums=(0, 1))(x, b),
-            f"jacfwd {c.name}",
-        )
+    _jacobians(device, torch.func.jacfwd)
 
 
 @row("cpu", "cuda")

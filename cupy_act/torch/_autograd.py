@@ -144,9 +144,7 @@ class ActInplace(torch.autograd.Function):
         ctx.mark_non_differentiable(output[1])
         _save(ctx, x, op, slope, divisor, output[1])
 
-    @staticmethod
-    def backward(ctx, gy, _gmask):
-        return _input_grads(ctx, gy)
+    backward = staticmethod(Act.backward)
 
     @staticmethod
     def jvp(ctx, x_t, bias_t, *_):
