@@ -39,7 +39,7 @@ class Op:
     # launch shape per kind ("forward", "forward_mask", "backward"): item size -> vectors
     unroll: dict
     # PyTorch's forward of the activation on t (what it sees after bias and division)
-    torch_forward: Callable  # (torch, t, slope, inplace) -> y
+    torch_forward: Callable  # (torch, t, slope) -> y
     # the bit the backward branches on, from t: the mask predicate
     torch_bit: Callable  # (torch, t) -> bool tensor
     # PyTorch's backward kernel fed a stand-in for t whose sign is the bit,
@@ -53,12 +53,12 @@ class Op:
     reference: str = ""  # the PyTorch expression, for documentation
 
 
-def _relu_forward(torch, t, slope, inplace):
-    return torch.nn.functional.relu(t, inplace=inplace)
+def _relu_forward(torch, t, slope):
+    return torch.relu(t)
 
 
-def _leaky_forward(torch, t, slope, inplace):
-    return torch.nn.functional.leaky_relu(t, slope, inplace)
+def _leaky_forward(torch, t, slope):
+    return torch.nn.functional.leaky_relu(t, slope)
 
 
 def _not_at_most_zero(torch, t):

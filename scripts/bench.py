@@ -55,8 +55,8 @@ ATEN = torch.ops.aten
 def eager_forward(op):
     spec = REGISTRY[op]
     if spec.divisor:  # two passes: x / d, then the activation
-        return lambda x: spec.torch_forward(torch, x / DIVISOR, SLOPE, False)
-    return lambda x: spec.torch_forward(torch, x, SLOPE, False)
+        return lambda x: spec.torch_forward(torch, x / DIVISOR, SLOPE)
+    return lambda x: spec.torch_forward(torch, x, SLOPE)
 
 
 def ours_forward(op):

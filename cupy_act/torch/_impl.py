@@ -195,17 +195,11 @@ def pre(op, x, divisor, bias):
     return x / divisor
 
 
-def reference(op, x, slope, divisor, bias, inplace=False):
+def reference(op, x, slope, divisor, bias):
     """(y, t): PyTorch's own forward of ``op`` (the registry's reference) and what
-    the activation saw. In place, x is updated as the in-place ops would."""
-    spec = _registry.OPS[op]
-    if inplace and spec.divisor:
-        if bias is not None:
-            x.add_(bias.view(1, -1, *([1] * (x.dim() - 2))))
-        t = x.div_(divisor)
-    else:
-        t = pre(op, x, divisor, bias)
-    return spec.torch_forward(torch, t, slope, inplace), t
+    the activation saw."""
+    t = pre(op, x, divisor, bias)
+    return _registry.OPS[op].torch_forward(torch, t, slope), t
 
 
 def bits(op, t):
