@@ -68,6 +68,10 @@ class Case:
     ours_: Callable | None = None  # in place, or None where PyTorch has no in-place form
     ref_: Callable | None = None
 
+    def variants(self):
+        """(ours, PyTorch's, label) out of place, then in place."""
+        return ((self.ours, self.ref, ""), (self.ours_, self.ref_, " in place"))
+
 
 def _bview(b):
     return b.view(1, -1, 1, 1)
@@ -200,6 +204,42 @@ def mlp(ours: bool, seed=0) -> nn.Module:
     return nn.Sequential(*layers[:-1], nn.Linear(16, 4))
 
 
+def in_threads(*fns):
+    """Run each function on a new thread of its own, all at once; re-raise the
+    first exception any of them raised."""
+    errors = []
+
+    def guarded(fn):
+        try:
+            fn()
+        except BaseException as e:  # re-raised in the calling thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(fn,)) for fn in fns]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+
+
+def sgd_losses(model, step, device, seed, steps):
+    """Losses of ``steps`` SGD steps of ``model`` (called through ``step``, e.g.
+    its compiled or distributed wrapper) on random batches from ``seed``."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        xb = torch.randn(16, 8, generator=g).to(device)
+        loss = step(xb).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        out.append(loss.detach())
+    return torch.stack(out)
+
+
 def conv_models(device):
     torch.manual_seed(0)
     ref = testing.ConvDivLeakyReLUModel(3, 4, 3, 2.0).to(device)
@@ -229,20 +269,13 @@ def first_backward(device):
 def new_thread(device):
     """A new thread whose first CUDA work is ours: torch adapter and CuPy-level API."""
     x, b, dy, _ = data(device)
-    got, errors = {}, []
+    got = {}
 
     def work():
-        try:
-            for c in cases():
-                got[c.name] = fwd_bwd(c.ours, x, b, dy)
-        except BaseException as e:  # re-raised in the main thread
-            errors.append(e)
+        for c in cases():
+            got[c.name] = fwd_bwd(c.ours, x, b, dy)
 
-    th = threading.Thread(target=work)
-    th.start()
-    th.join()
-    if errors:
-        raise errors[0]
+    in_threads(work)
     for c in cases():
         same(got[c.name], fwd_bwd(c.ref, x, b, dy), f"thread {c.name}")
     if device.startswith("cuda"):
@@ -255,46 +288,30 @@ def new_thread(device):
         mask = cupy.empty(cupy_act.mask_nbytes(cx.size), dtype=cupy.uint8)
         torch.cuda.synchronize()
 
-        def cupy_work():
-            try:  # out= and mask= given: no allocation makes a context first
-                cupy_act.leaky_relu_with_mask(cx, 0.2, out=out, mask=mask)
-                cupy.cuda.get_current_stream().synchronize()
-            except BaseException as e:
-                errors.append(e)
+        def cupy_work():  # out= and mask= given: no allocation makes a context first
+            cupy_act.leaky_relu_with_mask(cx, 0.2, out=out, mask=mask)
+            cupy.cuda.get_current_stream().synchronize()
 
-        th = threading.Thread(target=cupy_work)
-        th.start()
-        th.join()
-        if errors:
-            raise errors[0]
+        in_threads(cupy_work)
         same(torch.from_dlpack(out), F.leaky_relu(x, 0.2), "CuPy API on a new thread")
 
 
 @row("cpu", "cuda")
 def threads_on_own_streams(device):
     """8 threads at once, each on its own stream (CUDA) with its own data."""
-    outs, errors = {}, []
+    outs = {}
 
     def work(i):
-        try:
-            x, b, dy, _ = data(device, seed=10 * i)
-            if device.startswith("cuda"):
-                s = torch.cuda.Stream()
-                with torch.cuda.stream(s):
-                    outs[i] = [fwd_bwd(c.ours, x, b, dy) for c in cases()]
-                s.synchronize()
-            else:
+        x, b, dy, _ = data(device, seed=10 * i)
+        if device.startswith("cuda"):
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
                 outs[i] = [fwd_bwd(c.ours, x, b, dy) for c in cases()]
-        except BaseException as e:
-            errors.append(e)
+            s.synchronize()
+        else:
+            outs[i] = [fwd_bwd(c.ours, x, b, dy) for c in cases()]
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    if errors:
-        raise errors[0]
+    in_threads(*(lambda i=i: work(i) for i in range(8)))
     for i in range(8):
         x, b, dy, _ = data(device, seed=10 * i)
         for c, got in zip(cases(), outs[i]):
@@ -386,7 +403,7 @@ def func_grad(device):
     """torch.func.grad, of x and of the bias, out of place and in place."""
     x, b, dy, _ = data(device)
     for c in cases():
-        for ours, ref, tag in ((c.ours, c.ref, ""), (c.ours_, c.ref_, " in place")):
+        for ours, ref, tag in c.variants():
 
             def loss(f):
                 return lambda u, v: (f(u.clone(), v) * dy).sum()
@@ -415,7 +432,7 @@ def func_jvp(device):
     x, b, _, t = data(device)
     tb = testing.make_input(b.numel(), b.dtype, device, 9)
     for c in cases():
-        for ours, ref, tag in ((c.ours, c.ref, ""), (c.ours_, c.ref_, " in place")):
+        for ours, ref, tag in c.variants():
 
             def fn(f):
                 return lambda u, v: f(u.clone(), v)
@@ -546,7 +563,7 @@ def forward_ad(device):
     x, b, _, t = data(device)
     tb = testing.make_input(b.numel(), b.dtype, device, 9)
     for c in cases():
-        for ours, ref, tag in ((c.ours, c.ref, ""), (c.ours_, c.ref_, " in place")):
+        for ours, ref, tag in c.variants():
             res = []
             for f in (ours, ref):
                 with fwAD.dual_level():
@@ -622,17 +639,7 @@ def compile_training_step(device):
 
     def losses(model, compiled):
         step = torch.compile(model, fullgraph=True) if compiled else model
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        g = torch.Generator().manual_seed(1)
-        out = []
-        for _ in range(3):
-            xb = torch.randn(16, 8, generator=g).to(device)
-            loss = step(xb).square().mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            out.append(loss.detach())
-        return torch.stack(out)
+        return sgd_losses(model, step, device, seed=1, steps=3)
 
     torch._dynamo.reset()
     # the compiled graph may fuse the linear layers differently from eager, so
@@ -821,17 +828,7 @@ def _distributed_losses(device, wrap):
     out = []
     for ours in (True, False):
         model = wrap(mlp(ours).to(dev))
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        g = torch.Generator().manual_seed(100 + rank)
-        losses = []
-        for _ in range(4):
-            xb = torch.randn(16, 8, generator=g).to(dev)
-            loss = model(xb).square().mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-        out.append(torch.stack(losses))
+        out.append(sgd_losses(model, model, dev, seed=100 + rank, steps=4))
     same(out[0], out[1], f"rank {rank}: losses, ours vs torch's modules")
 
 
