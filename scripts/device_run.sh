@@ -4,7 +4,8 @@
 # suite (tables, JSON, CSV, plot under $OUT/bench) and the call-overhead table.
 # Logs go to $OUT; a summary is last.
 # Usage (GPU machine, repository root):
-#   [PARTS="conformance tests sanitizer bench overhead selfcheck cold cpu"] [BASE=dir] [TUNE=1] \
+#   [PARTS="conformance tests sanitizer bench overhead selfcheck cold cpu models"] [BASE=dir] \
+#     [TUNE=1] \
 #     bash scripts/device_run.sh
 # With 2 or more GPUs, the conformance rows run split over the first two GPUs,
 # with the rest of the test suite alongside, and the 2-GPU rows after them.
@@ -71,6 +72,10 @@ fi
 if has cpu; then
   timeout 120 python3 scripts/cpu_path.py > "$OUT/cpu_path.log" 2>&1
 fi
+if has models; then  # training real models: eager, floor, ours, compiled (slow: compiles)
+  timeout ${MODELS_TIMEOUT:-540} python3 scripts/models.py --json "$OUT/models.json" ${MODELS_ARGS:-} \
+    > "$OUT/models.log" 2>&1
+fi
 if [ "${TUNE:-0}" = 1 ]; then  # launch-shape sweep (development)
   timeout 240 python3 scripts/tune.py > "$OUT/tune.log" 2>&1
 fi
@@ -82,9 +87,10 @@ for f in conf_a conf_b conf_2gpu conformance pytest; do
 done
 [ -f "$OUT/sanitizer.log" ] && grep -E "ERROR SUMMARY|passed|failed|rc=" "$OUT/sanitizer.log" | tail -n 4
 [ -f "$OUT/bench.log" ] && grep -E "^  (PASS|MISS)|targets met|conv" "$OUT/bench.log"
-[ -f "$OUT/overhead.log" ] && grep -E "^==|fwd|floor" "$OUT/overhead.log"
+[ -f "$OUT/overhead.log" ] && grep -E "^==|fwd|floor|in place" "$OUT/overhead.log"
 [ -f "$OUT/selfcheck.log" ] && grep -E "passed|FAILED|MISMATCH|copy|cupy_act |torch |rc=" "$OUT/selfcheck.log"
 [ -f "$OUT/cold.log" ] && cat "$OUT/cold.log"
 [ -f "$OUT/cpu_path.log" ] && cat "$OUT/cpu_path.log"
 [ -f "$OUT/tune.log" ] && cat "$OUT/tune.log"
+[ -f "$OUT/models.log" ] && tail -n 15 "$OUT/models.log"
 exit 0

@@ -3,11 +3,15 @@
     PYTHONPATH=. python scripts/overhead.py [--n 65536] [--calls 2000]
 
 For each case: the wall time of --calls back-to-back calls divided by --calls
-(after warm-up), the least of --repeats repeats, measured in one run. The least
+(after warm-up), the least of --repeats repeats, measured in one run with
+torch's and our repeats interleaved. The least
 is the run the rest of the machine disturbed least: on a shared host the median
 of the same runs moved by 10-20% between runs (seen on an H200 machine). "fwd"
 calls the activation with no gradient needed; "fwd+bwd" runs autograd forward
-and backward (torch.autograd.grad) from a leaf that requires grad.
+and backward (torch.autograd.grad) from a leaf that requires grad; the "x*1"
+rows call the op on x * 1 (a non-leaf, as in a model, so in place is allowed),
+out of place and in place, forward alone under autograd and forward + backward,
+and compare our in-place calls with our out-of-place ones.
 """
 
 from __future__ import annotations
@@ -21,18 +25,22 @@ import torch.nn.functional as F
 import cupy_act.torch as ct
 
 
-def per_call_us(fn, calls: int, repeats: int) -> float:
-    for _ in range(200):
-        fn()
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
+def per_call_us(fns, calls: int, repeats: int) -> list[float]:
+    """Least time per call of each function, their repeats interleaved (so a
+    slow spell of the host hits all of them alike)."""
+    for fn in fns:
+        for _ in range(200):
             fn()
-        torch.cuda.synchronize()
-        runs.append((time.perf_counter() - t0) / calls * 1e6)
-    return min(runs)
+    torch.cuda.synchronize()
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            best[i] = min(best[i], (time.perf_counter() - t0) / calls * 1e6)
+    return best
 
 
 def main() -> None:
@@ -48,8 +56,22 @@ def main() -> None:
     def fwd_bwd(f):
         return lambda: torch.autograd.grad(f(xg), xg, g)
 
-    def fwd_bwd_(f):  # in place on a non-leaf (x * 1), as in a model
-        return lambda: torch.autograd.grad(f(xg * 1), xg, g)
+    def on_nonleaf(f, backward):  # on x * 1 (a non-leaf, as in a model): in place is allowed
+        if backward:
+            return lambda: torch.autograd.grad(f(xg * 1), xg, g)
+        return lambda: f(xg * 1)
+
+    def leaky(inplace=False):
+        return lambda t: F.leaky_relu(t, 0.01, inplace=inplace)
+
+    def ct_leaky(inplace=False):
+        return lambda t: ct.leaky_relu(t, 0.01, inplace=inplace)
+
+    def relu(inplace=False):
+        return lambda t: F.relu(t, inplace=inplace)
+
+    def ct_relu(inplace=False):
+        return lambda t: ct.relu(t, inplace=inplace)
 
     cases = [
         ("relu fwd", lambda: F.relu(x), lambda: ct.relu(x)),
@@ -60,47 +82,56 @@ def main() -> None:
             lambda: ct.div_leaky_relu(x, 2.0, 0.01),
         ),
         ("relu fwd+bwd", fwd_bwd(F.relu), fwd_bwd(ct.relu)),
-        (
-            "leaky_relu fwd+bwd",
-            fwd_bwd(lambda t: F.leaky_relu(t, 0.01)),
-            fwd_bwd(lambda t: ct.leaky_relu(t, 0.01)),
-        ),
+        ("leaky_relu fwd+bwd", fwd_bwd(leaky()), fwd_bwd(ct_leaky())),
         (
             "div_leaky_relu fwd+bwd",
             fwd_bwd(lambda t: F.leaky_relu(t / 2.0, 0.01)),
             fwd_bwd(lambda t: ct.div_leaky_relu(t, 2.0, 0.01)),
         ),
-        (
-            "relu fwd+bwd in place",
-            fwd_bwd_(lambda t: F.relu(t, inplace=True)),
-            fwd_bwd_(lambda t: ct.relu(t, inplace=True)),
-        ),
-        (
-            "leaky_relu fwd+bwd in place",
-            fwd_bwd_(lambda t: F.leaky_relu(t, 0.01, inplace=True)),
-            fwd_bwd_(lambda t: ct.leaky_relu(t, 0.01, inplace=True)),
-        ),
     ]
+    # In place against out of place, both under autograd on x * 1: the forward
+    # alone (the graph is built, not run) and forward + backward.
+    for name, ref, ours in (("relu", relu, ct_relu), ("leaky_relu", leaky, ct_leaky)):
+        for backward, what in ((False, "fwd (grad)"), (True, "fwd+bwd")):
+            for inplace in (False, True):
+                cases.append(
+                    (
+                        f"{name} {what} x*1{' in place' if inplace else ''}",
+                        on_nonleaf(ref(inplace), backward),
+                        on_nonleaf(ours(inplace), backward),
+                    )
+                )
     print(
         f"\nhost time per call, {args.n} float32 elements, {torch.cuda.get_device_name()}, "
         f"torch {torch.__version__}"
     )
-    print(f"{'case':28s} {'torch us':>9s} {'cupy_act us':>12s} {'ratio':>7s}")
+    print(f"{'case':34s} {'torch us':>9s} {'cupy_act us':>12s} {'ratio':>7s}")
+    ours_us = {}
     for name, ref, ours in cases:
-        t_ref, t_ours = (
-            per_call_us(ref, args.calls, args.repeats),
-            per_call_us(ours, args.calls, args.repeats),
-        )
-        print(f"{name:28s} {t_ref:9.2f} {t_ours:12.2f} {t_ours / t_ref:6.2f}x")
+        t_ref, t_ours = per_call_us((ref, ours), args.calls, args.repeats)
+        ours_us[name] = t_ours
+        print(f"{name:34s} {t_ref:9.2f} {t_ours:12.2f} {t_ours / t_ref:6.2f}x")
+    print("cupy_act in place / out of place, same run:")
+    for name in ours_us:
+        if name.endswith(" in place"):
+            oop = name[: -len(" in place")]
+            print(f"  {oop:32s} {ours_us[name] / ours_us[oop]:6.3f}x")
 
     # The floor for any Python autograd.Function: one that only calls torch's own
     # relu and threshold_backward, timed against F.relu in the same way.
-    t_ref = per_call_us(fwd_bwd(F.relu), args.calls, args.repeats)
-    t_floor = per_call_us(fwd_bwd(_TorchRelu.apply), args.calls, args.repeats)
-    print(
-        f"floor: a Python autograd.Function around torch.relu, fwd+bwd {t_floor:.2f} us "
-        f"= {t_floor / t_ref:.2f}x F.relu's {t_ref:.2f} us"
-    )
+    for label, ref, floor in (
+        ("torch.relu", fwd_bwd(F.relu), fwd_bwd(_TorchRelu.apply)),
+        (
+            "torch.relu_, x*1",
+            on_nonleaf(relu(True), True),
+            on_nonleaf(_TorchReluInplace.apply, True),
+        ),
+    ):
+        t_ref, t_floor = per_call_us((ref, floor), args.calls, args.repeats)
+        print(
+            f"floor: a Python autograd.Function around {label}, fwd+bwd {t_floor:.2f} us "
+            f"= {t_floor / t_ref:.2f}x torch's {t_ref:.2f} us"
+        )
 
 
 class _TorchRelu(torch.autograd.Function):
@@ -109,6 +140,20 @@ class _TorchRelu(torch.autograd.Function):
         y = torch.relu(x)
         ctx.save_for_backward(y)
         return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        (y,) = ctx.saved_tensors
+        return torch.ops.aten.threshold_backward(gy, y, 0)
+
+
+class _TorchReluInplace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        torch.relu_(x)
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(x)
+        return x
 
     @staticmethod
     def backward(ctx, gy):

@@ -8,10 +8,12 @@ current stream; CPU tensors run a plain-torch implementation of the same ops.
 
 from . import (
     _library,  # noqa: F401  (registers the cupy_act:: custom ops)
+    adopt,
     functional,
     modules,
 )
+from .adopt import *  # noqa: F403  (replace_activations, activations_mode)
 from .functional import *  # noqa: F403  (the public functions, listed in functional.__all__)
 from .modules import *  # noqa: F403  (the nn.Modules, listed in modules.__all__)
 
-__all__ = [*functional.__all__, *modules.__all__]
+__all__ = [*functional.__all__, *modules.__all__, *adopt.__all__]

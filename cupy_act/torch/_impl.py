@@ -15,6 +15,8 @@ anything else is made contiguous first.
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy
 import torch
@@ -134,13 +136,59 @@ def _host_array(t: torch.Tensor):
         return None
 
 
+# numpy's packbits and unpackbits release the GIL but run on one core; on a
+# many-core host torch's own kernels around them do not, so a long 1-D mask
+# is (un)packed in byte-aligned chunks, one per torch thread.
+_CHUNK_MIN = 1 << 20  # bits per chunk at least: below this a thread costs more than it saves
+_pool = None  # (pid, ThreadPoolExecutor): made on first need, again after a fork
+
+
+def _in_chunks(work, n: int) -> None:
+    """Run work(start, stop) over [0, n) in 8-aligned chunks, on torch's thread count."""
+    chunks = min(torch.get_num_threads(), n // _CHUNK_MIN)
+    if chunks < 2:
+        work(0, n)
+        return
+    global _pool
+    if _pool is None or _pool[0] != os.getpid():
+        _pool = (os.getpid(), ThreadPoolExecutor(os.cpu_count() or 1, "cupy_act_pack"))
+    step = (-(-n // chunks) + 7) // 8 * 8
+    bounds = [(i, min(i + step, n)) for i in range(0, n, step)]
+    for f in [_pool[1].submit(work, a, b) for a, b in bounds]:
+        f.result()
+
+
+def _pack_host(bits: numpy.ndarray, out: numpy.ndarray) -> None:
+    """out[: ceil(n / 8)] = the little-endian packed bits of a 1-D bool array."""
+
+    def work(a, b):
+        out[a // 8 : (b + 7) // 8] = numpy.packbits(bits[a:b], bitorder="little")
+
+    _in_chunks(work, bits.size)
+
+
+def _unpack_host(packed: numpy.ndarray, n: int) -> numpy.ndarray:
+    """The first n bits of a 1-D packed mask, as a bool array."""
+    out = numpy.empty(n, dtype=numpy.bool_)
+
+    def work(a, b):
+        part = numpy.unpackbits(packed[a // 8 : (b + 7) // 8], count=b - a, bitorder="little")
+        out[a:b] = part.view(numpy.bool_)
+
+    _in_chunks(work, n)
+    return out
+
+
 def pack_rows(bits: torch.Tensor) -> torch.Tensor:
     """(rows, n) booleans -> (rows, mask_nbytes(n)) packed masks, one per row."""
     rows, n = bits.shape
     host = _host_array(bits)
     if host is not None:  # numpy.packbits: about 15x faster than the torch ops below
         packed = numpy.zeros((rows, mask_nbytes(n)), dtype=numpy.uint8)
-        packed[:, : (n + 7) // 8] = numpy.packbits(host, axis=1, bitorder="little")
+        if rows == 1:
+            _pack_host(host[0], packed[0])
+        else:
+            packed[:, : (n + 7) // 8] = numpy.packbits(host, axis=1, bitorder="little")
         return torch.from_numpy(packed)
     padded = torch.zeros(rows, mask_nbytes(n) * 8, dtype=torch.uint8, device=bits.device)
     padded[:, :n] = bits
@@ -152,6 +200,8 @@ def unpack_bits(mask: torch.Tensor, n: int) -> torch.Tensor:
     """The first n bits of each packed mask along the last axis, as booleans."""
     host = _host_array(mask)
     if host is not None:
+        if host.ndim == 1:
+            return torch.from_numpy(_unpack_host(host, n))
         bits = numpy.unpackbits(host, axis=-1, count=n, bitorder="little")
         return torch.from_numpy(bits.view(numpy.bool_))
     shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)

@@ -3,8 +3,8 @@
 ``_apply`` picks one of four routes per call, cheapest first where it is safe:
 
 - no gradient, no transform: the kernel alone (``_impl``), no mask made;
-- eager autograd: ``_autograd.Act`` through the C++ ``Function.apply`` (the
-  Python wrapper costs about 2 us per call), or ``ActInplace`` in place;
+- eager autograd: ``_autograd.EagerAct`` through the C++ ``Function.apply``
+  (the Python wrapper costs about 2 us per call), or ``EagerActInplace``;
 - torch.func transforms or forward-mode AD: ``Act.apply`` or
   ``ActInplace.apply``, whose ``vmap`` and ``jvp`` rules the transforms call;
 - torch.compile: the ``torch.library`` custom ops (``_library.py``), which the
@@ -62,19 +62,19 @@ def _check(fname: str, op: str, x, slope, divisor, bias) -> None:
 _functorch_active = _autograd._functorch_active
 try:
     _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
-    _apply_of = {  # inplace -> the C++ apply of Act / ActInplace
-        False: super(torch.autograd.Function, _autograd.Act).apply,
-        True: super(torch.autograd.Function, _autograd.ActInplace).apply,
-    }
+    _eager_act = super(torch.autograd.Function, _autograd.EagerAct).apply
+    _eager_act_ = super(torch.autograd.Function, _autograd.EagerActInplace).apply
 
-    def _act(x, bias, op, slope, divisor, inplace=False):
+    def _act(x, bias, op, slope, divisor):
         b = None if bias is None else _unwrap_if_dead(bias)
-        return _apply_of[inplace](_unwrap_if_dead(x), b, op, slope, divisor)[0]
-except AttributeError:  # pragma: no cover - depends on the torch version
+        return _eager_act(_unwrap_if_dead(x), b, op, slope, divisor)
 
-    def _act(x, bias, op, slope, divisor, inplace=False):
-        fn = _autograd.ActInplace if inplace else _autograd.Act
-        return fn.apply(x, bias, op, slope, divisor)[0]
+    def _act_(x, bias, op, slope, divisor):
+        b = None if bias is None else _unwrap_if_dead(bias)
+        return _eager_act_(_unwrap_if_dead(x), b, op, slope, divisor)
+except AttributeError:  # pragma: no cover - depends on the torch version
+    _act = _autograd.EagerAct.apply
+    _act_ = _autograd.EagerActInplace.apply
 
 
 # (read inline in _apply; without the private global, a stand-in says "active")
@@ -83,6 +83,9 @@ _fwd_levels = (
     if isinstance(getattr(_forward_ad, "_current_level", None), int)
     else SimpleNamespace(_current_level=0)
 )
+
+
+_is_compiling = torch.compiler.is_compiling  # (Dynamo folds it by identity)
 
 
 def _forward_ad_active() -> bool:
@@ -100,7 +103,7 @@ def _apply(fname, op, x, slope, divisor, bias, inplace):
     slope, divisor = float(slope), float(divisor)
     if bias is not None:
         bias = bias.contiguous()
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         return _compiled(op, x, slope, divisor, bias, inplace)
     if _functorch_active() or _fwd_levels._current_level >= 0:  # transforms, forward AD
         fn = _autograd.ActInplace if inplace else _autograd.Act
@@ -110,7 +113,7 @@ def _apply(fname, op, x, slope, divisor, bias, inplace):
     )
     if inplace:
         if needs_grad:
-            return _act(x, bias, op, slope, divisor, inplace=True)
+            return _act_(x, bias, op, slope, divisor)
         _impl.forward_mask_(x, op, slope, divisor, bias, with_mask=False)
         torch.autograd.graph.increment_version(x)
         return x
