@@ -21,11 +21,11 @@ def _say(msg: str) -> None:
 
 
 def cpu_checks() -> int:
-    """Compile every instantiation with NVRTC for sm_80 and sm_90; no GPU needed."""
+    """Compile every instantiation with NVRTC for sm_80, sm_90, sm_100 and sm_120; no GPU needed."""
     from . import _loader
 
     failures = 0
-    for arch in (80, 90):
+    for arch in (80, 90, 100, 120):
         t0 = time.perf_counter()
         ptx, log, names = _loader.compile_ptx(arch)
         ok = not log.strip() and ".ftz" not in ptx and len(names) > 0

@@ -7,7 +7,9 @@ tensors) are refused with a hint instead of being copied silently.
 
 from __future__ import annotations
 
-import contextlib
+import operator
+import types
+from typing import Any, TypeAlias
 
 import numpy
 
@@ -20,13 +22,31 @@ _HOST_HINT = (
 )
 SUPPORTED = ", ".join(DTYPES)
 
+# What the CuPy-level API accepts as an array: a cupy.ndarray, or any object
+# exporting DLPack or __cuda_array_interface__ on a CUDA device (checked at run
+# time by as_device_array, which no static type can express).
+GPUArray: TypeAlias = Any
+
 
 def _dtype_error(fname: str, name: str, dtype, allowed) -> TypeError:
     return TypeError(f"{fname}: {name} has dtype {dtype}; supported: {', '.join(allowed)}")
 
 
+_NAMES: dict[tuple[int, str], str] = {}  # (dtype.num, byte order) -> str(dtype)
+
+
+def dtype_name(dtype) -> str:
+    """``str(dtype)``, cached: on the GPU host str() and .name of a NumPy dtype
+    took 1.7 us per call, a tenth of a CuPy API call (scripts/diagnose.py cupy)."""
+    key = (dtype.num, dtype.byteorder)
+    name = _NAMES.get(key)
+    if name is None:
+        name = _NAMES[key] = str(dtype)
+    return name
+
+
 def _check_dtype(dtype, name: str, fname: str, allowed) -> None:
-    if str(dtype) not in allowed:
+    if dtype_name(dtype) not in allowed:
         raise _dtype_error(fname, name, dtype, allowed)
 
 
@@ -41,7 +61,7 @@ def as_device_array(obj, name: str, fname: str, allowed=DTYPES):
     """``obj`` as a ``cupy.ndarray`` without copying; TypeError for host data or bad dtypes."""
     import cupy
 
-    if isinstance(obj, cupy.ndarray):
+    if type(obj) is cupy.ndarray or isinstance(obj, cupy.ndarray):
         _check_dtype(obj.dtype, name, fname, allowed)
         return obj
     if isinstance(obj, (numpy.ndarray, numpy.generic)):
@@ -82,10 +102,9 @@ def check_like(arr, name: str, like, fname: str, shape=None) -> None:
         raise TypeError(f"{fname}: {name} has dtype {arr.dtype}, expected {like.dtype}")
     if arr.shape != shape:
         raise ValueError(f"{fname}: {name} has shape {arr.shape}, expected {shape}")
-    if arr.device.id != like.device.id:
-        raise ValueError(
-            f"{fname}: {name} is on device {arr.device.id}, the input on device {like.device.id}"
-        )
+    dev, like_dev = arr.data.device_id, like.data.device_id  # (no Device objects)
+    if dev != like_dev:
+        raise ValueError(f"{fname}: {name} is on device {dev}, the input on device {like_dev}")
 
 
 def mask_nbytes(n: int) -> int:
@@ -99,46 +118,63 @@ def check_mask(mask, n: int, like, fname: str):
     """A mask buffer for ``n`` elements on ``like``'s device, as a cupy array."""
     mask = as_device_array(mask, "mask", fname, allowed=("uint8",))
     expected = mask_nbytes(n)
-    if mask.shape != (expected,):
+    if mask.ndim != 1 or mask.size != expected:
         raise ValueError(
             f"{fname}: mask has shape {mask.shape}, expected ({expected},): "
             f"mask_nbytes({n}) uint8 bytes for {n} elements"
         )
-    if not mask.flags.c_contiguous:
+    if not c_contiguous(mask):
         raise ValueError(f"{fname}: mask must be contiguous, got strides {mask.strides}")
-    if mask.data.ptr % 4:
+    data = mask.data
+    if data.ptr % 4:
         raise ValueError(
-            f"{fname}: mask must start on a 4-byte boundary, got address {mask.data.ptr:#x}"
+            f"{fname}: mask must start on a 4-byte boundary, got address {data.ptr:#x}"
         )
-    if mask.device.id != like.device.id:
+    if data.device_id != like.data.device_id:
         raise ValueError(
-            f"{fname}: mask is on device {mask.device.id}, the input on device {like.device.id}"
+            f"{fname}: mask is on device {mask.data.device_id}, the input on device "
+            f"{like.data.device_id}"
         )
     return mask
+
+
+def c_contiguous(a) -> bool:
+    """``a.flags.c_contiguous`` of a cupy array, without making a flags object
+    (CuPy's private ``_c_contiguous`` where it exists, measured on the hot path)."""
+    return a.flags.c_contiguous
+
+
+def _init_c_contiguous() -> None:
+    global c_contiguous
+    try:
+        import cupy
+    except OSError:  # an unusable kernel cache dir: _launch's import names it
+        return
+
+    if isinstance(getattr(cupy.ndarray, "_c_contiguous", None), types.GetSetDescriptorType):
+        c_contiguous = operator.attrgetter("_c_contiguous")  # type: ignore[assignment]
+
+
+def _span(arr) -> tuple[int, int]:
+    """[lo, hi) of the bytes an array touches."""
+    lo = arr.data.ptr
+    if c_contiguous(arr):  # (the common case, without the loop)
+        return lo, lo + arr.nbytes
+    hi = lo
+    for extent, stride in zip(arr.shape, arr.strides):
+        if stride > 0:
+            hi += (extent - 1) * stride
+        else:
+            lo += (extent - 1) * stride
+    return lo, hi + arr.itemsize
 
 
 def overlaps(a, b) -> bool:
     """Whether the memory spans of two cupy arrays intersect."""
     if a.size == 0 or b.size == 0:
         return False
-
-    def span(arr):
-        lo = hi = arr.data.ptr
-        for extent, stride in zip(arr.shape, arr.strides):
-            if stride > 0:
-                hi += (extent - 1) * stride
-            else:
-                lo += (extent - 1) * stride
-        return lo, hi + arr.itemsize
-
-    (a0, a1), (b0, b1) = span(a), span(b)
+    (a0, a1), (b0, b1) = _span(a), _span(b)
     return a0 < b1 and b0 < a1
 
 
-def on_device(device_id: int):
-    """Make ``device_id`` current for the block, switching only when needed."""
-    import cupy
-
-    if cupy.cuda.runtime.getDevice() == device_id:
-        return contextlib.nullcontext()
-    return cupy.cuda.Device(device_id)
+_init_c_contiguous()

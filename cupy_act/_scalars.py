@@ -23,6 +23,8 @@ _INT64 = (-(2**63), 2**63)
 
 def check_real(value, name: str, fname: str) -> None:
     """TypeError unless ``value`` is a real Python or NumPy number (not a bool)."""
+    if type(value) is float:  # the common case, without the (slow) ABC checks below
+        return
     if isinstance(value, (bool, numpy.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(
             f"{fname}: {name} must be a real number (int or float), "

@@ -12,9 +12,20 @@ import math
 
 import numpy
 
-from . import _launch, _loader
-from ._arrays import as_device_array, check_like, check_mask, mask_nbytes, on_device, overlaps
-from ._scalars import check_scalars, kernel_scalars
+from . import _launch
+from ._arrays import (
+    GPUArray,
+    as_device_array,
+    c_contiguous,
+    check_like,
+    check_mask,
+    dtype_name,
+    mask_nbytes,
+    overlaps,
+)
+from ._launch import cupy  # (imported there: an unusable kernel cache dir is named)
+from ._plan import plan
+from ._scalars import check_scalars
 
 __all__ = [
     "relu",
@@ -32,68 +43,84 @@ __all__ = [
 
 
 def _run(fname, op, kind, src, *, out=None, mask=None, slope=0.0, divisor=None, bias=None):
-    """Validate, allocate and launch one op; the shared body of every public function."""
-    import cupy
+    """Validate, allocate and launch one op; the shared body of every public function.
 
-    check_scalars(op, slope, divisor, fname)
-    src_name = "dy" if kind == "backward" else "x"
-    src = as_device_array(src, src_name, fname)
-    slope, scale = kernel_scalars(op, slope, divisor, src.dtype == numpy.float64, fname)
+    The common call (a C-contiguous CuPy array on the current device, a cached
+    plan) costs a few attribute reads besides the launch: no device switch, no
+    flags objects, no copies.
+    """
+    check_scalars(op, slope, divisor, fname)  # first: a bad number is named before the array
+    src = as_device_array(src, "dy" if kind == "backward" else "x", fname)
+    dev = src.data.device_id
+    dtype = dtype_name(src.dtype)
+    kernel, s, scale = plan(dev, op, dtype, kind, bias is not None, slope, divisor, fname)
     if out is not None:
         out = as_device_array(out, "out", fname)
         check_like(out, "out", src, fname)
+    cur = _get_device()
+    if cur != dev:  # allocations and copies below go to the current device
+        _set_device(dev)
+    try:
+        return _launch_on(fname, kind, src, out, mask, bias, kernel, s, scale)
+    finally:
+        if cur != dev:
+            _set_device(cur)
 
-    dev = src.device.id
-    with on_device(dev):
-        x = cupy.ascontiguousarray(src)  # masks and the bias index are in C order
-        n = x.size
-        inner = channels = 1
-        bias_ptr = 0
-        if bias is not None:
-            if x.ndim < 2:
-                raise ValueError(
-                    f"{fname}: bias needs an input with a channel axis (axis 1), "
-                    f"got shape {x.shape}"
-                )
-            b = as_device_array(bias, "bias", fname)
-            check_like(b, "bias", x, fname, shape=(x.shape[1],))
-            b = cupy.ascontiguousarray(b)
-            bias_ptr, channels, inner = b.data.ptr, x.shape[1], math.prod(x.shape[2:])
-        if kind == "backward" or mask is not None:
-            mask = check_mask(mask, n, x, fname)
-        elif kind == "forward_mask":
-            mask = cupy.empty(mask_nbytes(n), dtype=numpy.uint8)
 
-        # Write straight into `out` when it is C-contiguous and either is x or
-        # does not touch x; otherwise go through a temporary.
-        direct = (
-            out is not None
-            and out.flags.c_contiguous
-            and (out.data.ptr == x.data.ptr or not overlaps(out, x))
-        )
-        y = out if direct else cupy.empty(x.shape, dtype=x.dtype)
-        if n:
-            _launch.launch(
-                _loader.kernel(dev, op, str(x.dtype), kind, bias is not None),
-                cupy.cuda.get_current_stream().ptr,
-                n,
-                x.data.ptr,
-                y.data.ptr,
-                mask=0 if mask is None else mask.data.ptr,
-                mask_words=0 if mask is None else mask.size // 4,
-                bias=bias_ptr,
-                inner=inner,
-                channels=channels,
-                slope=slope,
-                scale=scale,
+def _launch_on(fname, kind, src, out, mask, bias, kernel, s, scale):
+    x = src if c_contiguous(src) else cupy.ascontiguousarray(src)  # masks: C order
+    n = x.size
+    inner = channels = 1
+    bias_ptr = 0
+    if bias is not None:
+        if x.ndim < 2:
+            raise ValueError(
+                f"{fname}: bias needs an input with a channel axis (axis 1), got shape {x.shape}"
             )
-        if out is not None and not direct:
-            out[...] = y
-            y = out
+        b = as_device_array(bias, "bias", fname)
+        check_like(b, "bias", x, fname, shape=(x.shape[1],))
+        b = cupy.ascontiguousarray(b)
+        bias_ptr, channels, inner = b.data.ptr, x.shape[1], math.prod(x.shape[2:])
+    if kind == "backward" or mask is not None:
+        mask = check_mask(mask, n, x, fname)
+    elif kind == "forward_mask":
+        mask = cupy.ndarray((mask_nbytes(n),), numpy.uint8)
+
+    # Write straight into `out` when it is C-contiguous and either is x or
+    # does not touch x; otherwise go through a temporary.
+    direct = (
+        out is not None
+        and c_contiguous(out)
+        and (out.data.ptr == x.data.ptr or not overlaps(out, x))
+    )
+    y = out if direct else cupy.ndarray(x.shape, x.dtype)  # (cupy.empty, one frame less)
+    if n:
+        _launch.launch(
+            kernel,
+            _current_stream().ptr,
+            n,
+            x.data.ptr,
+            y.data.ptr,
+            0 if mask is None else mask.data.ptr,
+            0 if mask is None else mask.size // 4,
+            bias_ptr,
+            inner,
+            channels,
+            s,
+            scale,
+        )
+    if out is not None and not direct:
+        out[...] = y
+        y = out
     return (y, mask) if kind == "forward_mask" else y
 
 
-def relu(x, out=None):
+_get_device = cupy.cuda.runtime.getDevice
+_set_device = cupy.cuda.runtime.setDevice
+_current_stream = cupy.cuda.get_current_stream
+
+
+def relu(x: GPUArray, out: GPUArray | None = None) -> cupy.ndarray:
     """ReLU, bit for bit ``torch.relu``: NaN passes through, -0 and x < 0 give +0.
 
     Args:
@@ -105,7 +132,9 @@ def relu(x, out=None):
     return _run("cupy_act.relu", "relu", "forward", x, out=out)
 
 
-def leaky_relu(x, negative_slope=0.01, out=None):
+def leaky_relu(
+    x: GPUArray, negative_slope: float = 0.01, out: GPUArray | None = None
+) -> cupy.ndarray:
     """LeakyReLU, bit for bit ``F.leaky_relu``: ``x > 0 ? x : x * negative_slope``.
 
     The product is taken in float32 for 16-bit inputs (float64 for float64) and
@@ -114,7 +143,13 @@ def leaky_relu(x, negative_slope=0.01, out=None):
     return _run("cupy_act.leaky_relu", "leaky_relu", "forward", x, out=out, slope=negative_slope)
 
 
-def div_leaky_relu(x, divisor, negative_slope=0.01, bias=None, out=None):
+def div_leaky_relu(
+    x: GPUArray,
+    divisor: float,
+    negative_slope: float = 0.01,
+    bias: GPUArray | None = None,
+    out: GPUArray | None = None,
+) -> cupy.ndarray:
     """``leaky_relu((x + bias) / divisor, negative_slope)`` in one pass.
 
     Bit for bit what PyTorch computes for ``F.leaky_relu(x / divisor, slope)``
@@ -140,7 +175,9 @@ def div_leaky_relu(x, divisor, negative_slope=0.01, bias=None, out=None):
     )
 
 
-def relu_with_mask(x, out=None, mask=None):
+def relu_with_mask(
+    x: GPUArray, out: GPUArray | None = None, mask: GPUArray | None = None
+) -> tuple[cupy.ndarray, cupy.ndarray]:
     """``relu(x)`` and its 1-bit mask (``!(x <= 0)``: set for x > 0 and NaN), one pass.
 
     Returns:
@@ -150,7 +187,12 @@ def relu_with_mask(x, out=None, mask=None):
     return _run("cupy_act.relu_with_mask", "relu", "forward_mask", x, out=out, mask=mask)
 
 
-def leaky_relu_with_mask(x, negative_slope=0.01, out=None, mask=None):
+def leaky_relu_with_mask(
+    x: GPUArray,
+    negative_slope: float = 0.01,
+    out: GPUArray | None = None,
+    mask: GPUArray | None = None,
+) -> tuple[cupy.ndarray, cupy.ndarray]:
     """``leaky_relu(x)`` and its 1-bit mask (``x > 0``), in one pass. Returns ``(y, mask)``."""
     return _run(
         "cupy_act.leaky_relu_with_mask",
@@ -163,7 +205,14 @@ def leaky_relu_with_mask(x, negative_slope=0.01, out=None, mask=None):
     )
 
 
-def div_leaky_relu_with_mask(x, divisor, negative_slope=0.01, bias=None, out=None, mask=None):
+def div_leaky_relu_with_mask(
+    x: GPUArray,
+    divisor: float,
+    negative_slope: float = 0.01,
+    bias: GPUArray | None = None,
+    out: GPUArray | None = None,
+    mask: GPUArray | None = None,
+) -> tuple[cupy.ndarray, cupy.ndarray]:
     """``div_leaky_relu`` and its mask (``(x + bias) / divisor > 0``). Returns ``(y, mask)``."""
     return _run(
         "cupy_act.div_leaky_relu_with_mask",
@@ -178,7 +227,7 @@ def div_leaky_relu_with_mask(x, divisor, negative_slope=0.01, bias=None, out=Non
     )
 
 
-def relu_backward(dy, mask, out=None):
+def relu_backward(dy: GPUArray, mask: GPUArray, out: GPUArray | None = None) -> cupy.ndarray:
     """Gradient of ReLU from the mask: ``dy`` where the bit is set, else +0.
 
     Bit for bit PyTorch's ``threshold_backward(dy, relu(x), 0)``; x is not needed.
@@ -186,7 +235,9 @@ def relu_backward(dy, mask, out=None):
     return _run("cupy_act.relu_backward", "relu", "backward", dy, out=out, mask=mask)
 
 
-def leaky_relu_backward(dy, mask, negative_slope=0.01, out=None):
+def leaky_relu_backward(
+    dy: GPUArray, mask: GPUArray, negative_slope: float = 0.01, out: GPUArray | None = None
+) -> cupy.ndarray:
     """Gradient of LeakyReLU from the mask, bit for bit ``aten.leaky_relu_backward``."""
     return _run(
         "cupy_act.leaky_relu_backward",
@@ -199,7 +250,13 @@ def leaky_relu_backward(dy, mask, negative_slope=0.01, out=None):
     )
 
 
-def div_leaky_relu_backward(dy, mask, divisor, negative_slope=0.01, out=None):
+def div_leaky_relu_backward(
+    dy: GPUArray,
+    mask: GPUArray,
+    divisor: float,
+    negative_slope: float = 0.01,
+    out: GPUArray | None = None,
+) -> cupy.ndarray:
     """Gradient of ``leaky_relu(x / divisor)`` w.r.t. x from the mask (and w.r.t. the
     pre-bias input: the bias gradient is its sum over all but the channel axis)."""
     return _run(
@@ -214,10 +271,8 @@ def div_leaky_relu_backward(dy, mask, divisor, negative_slope=0.01, out=None):
     )
 
 
-def unpack_mask(mask, n: int):
+def unpack_mask(mask: GPUArray, n: int) -> cupy.ndarray:
     """The ``n`` mask bits as a boolean CuPy array (bit i of the mask is element i)."""
-    import cupy
-
     mask = as_device_array(mask, "mask", "cupy_act.unpack_mask", allowed=("uint8",))
     if mask.size * 8 < n:
         raise ValueError(f"cupy_act.unpack_mask: mask has {mask.size} bytes, fewer than n={n} bits")

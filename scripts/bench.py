@@ -12,6 +12,9 @@ Everything is measured in one run, per dtype and size (1-D tensors of 2^16 to
   backward       eager (aten threshold_backward / leaky_relu_backward, then / d),
                  ours from dy and the mask
   fwd+bwd        autograd forward and torch.autograd.grad, eager vs ours
+  CuPy anchors   cupy.maximum(x, 0, out=y) ("cupy max", relu), a cupy.ElementwiseKernel
+                 LeakyReLU into y ("cupy EK"), and our CuPy API, leaky_relu(x, out=y)
+                 ("ours cupy"), on the same memory; not for bfloat16
 Times are medians of CUDA-event timings after warm-up; below 2^24 elements each
 timing covers several back-to-back calls (time per call, host cost included).
 GB/s come from the byte formula printed next to each case (N elements of s
@@ -93,6 +96,10 @@ BYTES = {
     ("fwd+bwd", "eager"): (5, 0),
     ("fwd+bwd", "eager div"): (9, 0),
     ("fwd+bwd", "cupy_act"): (4, 2),
+    # CuPy's own elementwise calls and our CuPy API (out= given), on the same memory
+    ("forward", "cupy max"): (2, 0),
+    ("forward", "cupy EK"): (2, 0),
+    ("forward", "ours cupy"): (2, 0),
 }
 
 
@@ -253,6 +260,7 @@ class Bench:
                     ms,
                     saved=saved[(op, impl.replace(" div", ""))],
                 )
+        self.cupy_anchors(dtype, label, n, s, x, T)
         copy_last = T(lambda: y.copy_(x))
         row = self.add(dtype, label, n, s, "-", "copy", "copy", min(copy_first, copy_last))
         row.update(copy_first_ms=copy_first, copy_last_ms=copy_last)
@@ -260,6 +268,36 @@ class Bench:
         for r in self.rows[start:]:  # now that the roofline is known
             r["pct_copy"] = 100 * (r["bytes"] / r["ms"]) / (2 * n * s / row["ms"])
             r["x_copy_time"] = r["ms"] / row["ms"]
+
+    def cupy_anchors(self, dtype, label, n, s, x, T):
+        """CuPy's own calls against our CuPy API, on x's memory (zero copy): relu as
+        cupy.maximum(x, 0, out=y), LeakyReLU as a cupy.ElementwiseKernel into y, and
+        cupy_act.leaky_relu(x, out=y). Not for bfloat16 (no CuPy elementwise kernels)."""
+        if dtype == torch.bfloat16:
+            return
+        import cupy
+
+        import cupy_act
+
+        cx = cupy.from_dlpack(x.detach())
+        cy = cupy.empty_like(cx)
+        ek = cupy.ElementwiseKernel("T x, T s", "T y", "y = x > 0 ? x : x * s", "bench_leaky")
+        slope = cx.dtype.type(SLOPE)
+        self.add(
+            dtype,
+            label,
+            n,
+            s,
+            "relu",
+            "forward",
+            "cupy max",
+            T(lambda: cupy.maximum(cx, 0, out=cy)),
+        )
+        self.add(
+            dtype, label, n, s, "leaky_relu", "forward", "cupy EK", T(lambda: ek(cx, slope, cy))
+        )
+        ours = T(lambda: cupy_act.leaky_relu(cx, SLOPE, out=cy))
+        self.add(dtype, label, n, s, "leaky_relu", "forward", "ours cupy", ours)
 
     def run_conv(self):
         torch.manual_seed(0)

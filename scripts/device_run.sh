@@ -4,7 +4,8 @@
 # suite (tables, JSON, CSV, plot under $OUT/bench) and the call-overhead table.
 # Logs go to $OUT; a summary is last.
 # Usage (GPU machine, repository root):
-#   [PARTS="conformance tests sanitizer bench overhead selfcheck cold cpu models"] [BASE=dir] \
+#   [PARTS="conformance tests sanitizer bench overhead selfcheck cold cpu models kernelbench"] \
+#     [BASE=dir] [OVERHEAD_RUNS=2] \
 #     [TUNE=1] \
 #     bash scripts/device_run.sh
 # With 2 or more GPUs, the conformance rows run split over the first two GPUs,
@@ -50,10 +51,10 @@ if has sanitizer; then
   echo "sanitizer rc=$?" >> "$OUT/sanitizer.log"
 fi
 if has bench; then
-  timeout 330 python3 scripts/bench.py --out "$OUT/bench" > "$OUT/bench.log" 2>&1
+  timeout ${BENCH_TIMEOUT:-330} python3 scripts/bench.py --out "$OUT/bench" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
 fi
 if has overhead; then
-  for i in 1 2; do
+  for i in $(seq ${OVERHEAD_RUNS:-2}); do
     if [ -n "${BASE:-}" ]; then
       echo "== base run $i" >> "$OUT/overhead.log"
       PYTHONPATH=$PWD/$BASE timeout 60 python3 scripts/overhead.py >> "$OUT/overhead.log" 2>&1
@@ -72,6 +73,9 @@ fi
 if has cpu; then
   timeout 120 python3 scripts/cpu_path.py > "$OUT/cpu_path.log" 2>&1
 fi
+if has kernelbench; then  # the KernelBench seed problems with KernelBench's protocol
+  timeout 300 python3 scripts/kernelbench.py --json "$OUT/kernelbench.json" > "$OUT/kernelbench.log" 2>&1
+fi
 if has models; then  # training real models: eager, floor, ours, compiled (slow: compiles)
   timeout ${MODELS_TIMEOUT:-540} python3 scripts/models.py --json "$OUT/models.json" ${MODELS_ARGS:-} \
     > "$OUT/models.log" 2>&1
@@ -87,10 +91,11 @@ for f in conf_a conf_b conf_2gpu conformance pytest; do
 done
 [ -f "$OUT/sanitizer.log" ] && grep -E "ERROR SUMMARY|passed|failed|rc=" "$OUT/sanitizer.log" | tail -n 4
 [ -f "$OUT/bench.log" ] && grep -E "^  (PASS|MISS)|targets met|conv" "$OUT/bench.log"
-[ -f "$OUT/overhead.log" ] && grep -E "^==|fwd|floor|in place" "$OUT/overhead.log"
+[ -f "$OUT/overhead.log" ] && grep -E "^==|fwd|floor|in place|_relu|anchors" "$OUT/overhead.log"
 [ -f "$OUT/selfcheck.log" ] && grep -E "passed|FAILED|MISMATCH|copy|cupy_act |torch |rc=" "$OUT/selfcheck.log"
 [ -f "$OUT/cold.log" ] && cat "$OUT/cold.log"
 [ -f "$OUT/cpu_path.log" ] && cat "$OUT/cpu_path.log"
 [ -f "$OUT/tune.log" ] && cat "$OUT/tune.log"
 [ -f "$OUT/models.log" ] && tail -n 15 "$OUT/models.log"
+[ -f "$OUT/kernelbench.log" ] && tail -n 12 "$OUT/kernelbench.log"
 exit 0

@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python scripts/diagnose.py mask   # where forward-with-mask loses time
     PYTHONPATH=. python scripts/diagnose.py bias   # the conv epilogue with and without bias
+    PYTHONPATH=. python scripts/diagnose.py cupy   # host cost of each step of a CuPy API call
 
 mask: builds variants of the forward-with-mask kernel by editing its mask
 store in the assembled source (never store it; store a constant word, so no
@@ -10,6 +11,9 @@ thread, and times leaky_relu on 4096 x 393216 float32 and the same bytes of
 bfloat16 as multiples of a device copy, three rounds in one run.
 bias: times div_leaky_relu at the conv model's output shape (128 x 64 x
 126 x 126 float32), NCHW and channels-last, with and without the bias.
+cupy: host time per call (least of 9 repeats of 5000 calls, 65,536 float32) of
+each step cupy_act.leaky_relu takes, beside the whole call and a
+cupy.ElementwiseKernel, to show where the CuPy API's time goes.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import argparse
 import copy
 
 import cupy
+import numpy
 import torch
 
 from cupy_act import _kernels, _launch, _loader, _source
@@ -142,11 +147,59 @@ def diagnose_bias() -> None:
             print(f"{name}: copy {c:.4f} ms, div_leaky_relu {nb:.4f} ms, with bias {wb:.4f} ms")
 
 
+def diagnose_cupy() -> None:
+    import time
+
+    import cupy_act
+    from cupy_act import _arrays, _plan, _scalars
+
+    x = cupy.random.standard_normal(65536, dtype=cupy.float32)
+    y = cupy.empty_like(x)
+    ek = cupy.ElementwiseKernel("T x, T s", "T y", "y = x > 0 ? x : x * s", "diag_leaky")
+    s32 = numpy.float32(0.01)
+    kernel, sl, scale = _plan.plan(0, "leaky_relu", "float32", "forward", False, 0.01, None, "f")
+    stream = cupy.cuda.get_current_stream().ptr
+    steps = {
+        "EK new": lambda: ek(x, s32),
+        "EK out=": lambda: ek(x, s32, y),
+        "ours": lambda: cupy_act.leaky_relu(x, 0.01),
+        "ours out=": lambda: cupy_act.leaky_relu(x, 0.01, out=y),
+        "check_scalars": lambda: _scalars.check_scalars("leaky_relu", 0.01, None, "f"),
+        "as_device_array": lambda: _arrays.as_device_array(x, "x", "f"),
+        "x.data.device_id": lambda: x.data.device_id,
+        "x.dtype.name": lambda: x.dtype.name,
+        "plan": lambda: _plan.plan(0, "leaky_relu", "float32", "forward", False, 0.01, None, "f"),
+        "getDevice": cupy.cuda.runtime.getDevice,
+        "c_contiguous": lambda: _arrays.c_contiguous(x),
+        "check_like": lambda: _arrays.check_like(y, "out", x, "f"),
+        "overlaps": lambda: _arrays.overlaps(y, x),
+        "cupy.empty": lambda: cupy.empty(x.shape, dtype=x.dtype),
+        "get_current_stream().ptr": lambda: cupy.cuda.get_current_stream().ptr,
+        "launch": lambda: _launch.launch(
+            kernel, stream, 65536, x.data.ptr, y.data.ptr, 0, 0, 0, 1, 1, sl, scale
+        ),
+    }
+    for fn in steps.values():
+        for _ in range(500):
+            fn()
+    cupy.cuda.Device().synchronize()
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in range(9):
+        for name, fn in steps.items():
+            t0 = time.perf_counter()
+            for _ in range(5000):
+                fn()
+            cupy.cuda.Device().synchronize()
+            best[name] = min(best[name], (time.perf_counter() - t0) / 5000 * 1e6)
+    for name, us in best.items():
+        print(f"{name:26s} {us:7.2f} us")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["mask", "bias"])
+    ap.add_argument("what", choices=["mask", "bias", "cupy"])
     args = ap.parse_args()
-    (diagnose_mask if args.what == "mask" else diagnose_bias)()
+    {"mask": diagnose_mask, "bias": diagnose_bias, "cupy": diagnose_cupy}[args.what]()
 
 
 if __name__ == "__main__":

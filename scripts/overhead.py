@@ -11,7 +11,10 @@ calls the activation with no gradient needed; "fwd+bwd" runs autograd forward
 and backward (torch.autograd.grad) from a leaf that requires grad; the "x*1"
 rows call the op on x * 1 (a non-leaf, as in a model, so in place is allowed),
 out of place and in place, forward alone under autograd and forward + backward,
-and compare our in-place calls with our out-of-place ones.
+and compare our in-place calls with our out-of-place ones. The CuPy rows time
+every op and kind of the CuPy API, with and without out= (and mask=), against
+a cupy.ElementwiseKernel (LeakyReLU) that allocates its output and one that
+writes into a given one, with a copy and cupy.maximum as further anchors.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=65536)
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--no-cupy", action="store_true", help="skip the CuPy API rows")
     args = ap.parse_args()
     x = torch.randn(args.n, device="cuda")
     xg = x.clone().requires_grad_(True)
@@ -119,6 +123,8 @@ def main() -> None:
 
     # The floor for any Python autograd.Function: one that only calls torch's own
     # relu and threshold_backward, timed against F.relu in the same way.
+    if not args.no_cupy:
+        cupy_rows(args.n, args.calls, args.repeats)
     for label, ref, floor in (
         ("torch.relu", fwd_bwd(F.relu), fwd_bwd(_TorchRelu.apply)),
         (
@@ -131,6 +137,82 @@ def main() -> None:
         print(
             f"floor: a Python autograd.Function around {label}, fwd+bwd {t_floor:.2f} us "
             f"= {t_floor / t_ref:.2f}x torch's {t_ref:.2f} us"
+        )
+
+
+def cupy_rows(n: int, calls: int, repeats: int) -> None:
+    """The CuPy API against CuPy's own calls, every op and kind, with and without out=."""
+    import cupy
+
+    import cupy_act
+
+    x = cupy.random.standard_normal(n, dtype=cupy.float32)
+    dy = cupy.random.standard_normal(n, dtype=cupy.float32)
+    y, y2 = cupy.empty_like(x), cupy.empty_like(x)
+    ek = cupy.ElementwiseKernel("T x, T s", "T y", "y = x > 0 ? x : x * s", "cupy_act_leaky")
+    _, mask = cupy_act.leaky_relu_with_mask(x, 0.01)
+    mask2 = cupy.empty_like(mask)
+    anchors = {  # CuPy's own: a new output, and into y
+        "new": lambda: ek(x, cupy.float32(0.01)),
+        "out": lambda: ek(x, cupy.float32(0.01), y),
+    }
+    ours = [
+        ("relu", lambda: cupy_act.relu(x), lambda: cupy_act.relu(x, out=y2)),
+        (
+            "leaky_relu",
+            lambda: cupy_act.leaky_relu(x, 0.01),
+            lambda: cupy_act.leaky_relu(x, 0.01, out=y2),
+        ),
+        (
+            "div_leaky_relu",
+            lambda: cupy_act.div_leaky_relu(x, 2.0),
+            lambda: cupy_act.div_leaky_relu(x, 2.0, out=y2),
+        ),
+        (
+            "relu_with_mask",
+            lambda: cupy_act.relu_with_mask(x),
+            lambda: cupy_act.relu_with_mask(x, out=y2, mask=mask2),
+        ),
+        (
+            "leaky_relu_with_mask",
+            lambda: cupy_act.leaky_relu_with_mask(x, 0.01),
+            lambda: cupy_act.leaky_relu_with_mask(x, 0.01, out=y2, mask=mask2),
+        ),
+        (
+            "div_leaky_relu_with_mask",
+            lambda: cupy_act.div_leaky_relu_with_mask(x, 2.0),
+            lambda: cupy_act.div_leaky_relu_with_mask(x, 2.0, out=y2, mask=mask2),
+        ),
+        (
+            "relu_backward",
+            lambda: cupy_act.relu_backward(dy, mask),
+            lambda: cupy_act.relu_backward(dy, mask, out=y2),
+        ),
+        (
+            "leaky_relu_backward",
+            lambda: cupy_act.leaky_relu_backward(dy, mask, 0.01),
+            lambda: cupy_act.leaky_relu_backward(dy, mask, 0.01, out=y2),
+        ),
+        (
+            "div_leaky_relu_backward",
+            lambda: cupy_act.div_leaky_relu_backward(dy, mask, 2.0),
+            lambda: cupy_act.div_leaky_relu_backward(dy, mask, 2.0, out=y2),
+        ),
+    ]
+    print(f"\nCuPy API, host time per call, {n} float32 elements (x: cupy.ElementwiseKernel's)")
+    copy, maximum = per_call_us(
+        (lambda: y.__setitem__(Ellipsis, x), lambda: cupy.maximum(x, 0, out=y)), calls, repeats
+    )
+    print(f"anchors: y[...] = x {copy:.2f} us, cupy.maximum(x, 0, out=y) {maximum:.2f} us")
+    print(
+        f"{'op':26s} {'EK new':>8s} {'ours':>8s} {'x':>6s} "
+        f"{'EK out=':>8s} {'ours out=':>9s} {'x':>6s}"
+    )
+    for name, new, out in ours:
+        t = per_call_us((anchors["new"], new, anchors["out"], out), calls, repeats)
+        print(
+            f"{name:26s} {t[0]:8.2f} {t[1]:8.2f} {t[1] / t[0]:5.2f}x {t[2]:8.2f} {t[3]:9.2f} "
+            f"{t[3] / t[2]:5.2f}x"
         )
 
 

@@ -16,7 +16,8 @@ from cupy_act._kernels import all_kernel_names, kernel_name  # noqa: E402
 compile_ptx = functools.lru_cache(maxsize=None)(_loader.compile_ptx)
 
 
-@pytest.fixture(scope="module", params=[75, 80, 90])
+# 100 and 120: Blackwell (B200, RTX 50xx), so users there are not the first to compile
+@pytest.fixture(scope="module", params=[75, 80, 90, 100, 120])
 def compiled(request):
     return request.param, compile_ptx(request.param)
 

@@ -34,6 +34,8 @@ def test_wheel_installs_and_compiles(tmp_path):
         check=True,
     )
     (wheel,) = dist.glob("cupy_act-*.whl")
+    with __import__("zipfile").ZipFile(wheel) as zf:  # PEP 561: type checkers read our hints
+        assert "cupy_act/py.typed" in zf.namelist()
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = venv / "bin" / "python"

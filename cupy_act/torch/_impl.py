@@ -21,12 +21,13 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy
 import torch
 
-from .. import _launch, _loader, _registry
+from .. import _launch, _registry
 from .._arrays import mask_nbytes
 from .._kernels import DTYPES
-from .._scalars import kernel_scalars
+from .._plan import plan
 
 DTYPE_NAMES = {getattr(torch, name): name for name in DTYPES}  # torch.float32 -> "float32"
+_FNAMES = {op: f"cupy_act.torch.{op}" for op in _registry.OPS}  # for error messages
 _CL_FORMAT = {4: torch.channels_last, 5: torch.channels_last_3d}
 
 try:  # the raw handle, without building a torch.cuda.Stream object per call
@@ -59,35 +60,14 @@ def arrange(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
     return x.contiguous()
 
 
-_plans: dict = {}  # (device, op, dtype, kind, bias, slope, divisor) -> (Kernel, slope, scale)
-
-
-def _plan(dev, op, dtype, kind, has_bias, slope, divisor):
-    """The kernel and the op-type scalars for one call, as ATen rounds them.
-
-    Cached, except for a zero slope: 0.0 and -0.0 are equal dict keys but give
-    different results (x * -0.0 vs x * 0.0), so those are recomputed per call.
-    """
-    key = (dev, op, dtype, kind, has_bias, slope, divisor)
-    plan = _plans.get(key)
-    if plan is None:
-        s, scale = kernel_scalars(
-            op, slope, divisor, dtype is torch.float64, f"cupy_act.torch.{op}"
-        )
-        plan = (_loader.kernel(dev, op, DTYPE_NAMES[dtype], kind, has_bias), s, scale)
-        if slope or not _registry.OPS[op].slope:
-            if len(_plans) >= 4096:  # bound the cache against endless distinct scalars
-                _plans.clear()
-            _plans[key] = plan
-    return plan
-
-
 def _launch_cuda(kind, op, x, y, mask, bias, slope, divisor, channels_last) -> None:
     n = x.numel()
     if n == 0:
         return
     dev = x.get_device()
-    kernel, s, scale = _plan(dev, op, x.dtype, kind, bias is not None, slope, divisor)
+    kernel, s, scale = plan(
+        dev, op, DTYPE_NAMES[x.dtype], kind, bias is not None, slope, divisor, _FNAMES[op]
+    )
     inner = channels = 1
     bias_ptr = 0
     if bias is not None:

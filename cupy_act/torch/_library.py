@@ -14,10 +14,9 @@ mutating ops); functional.py wraps it in an autograd.Function instead.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from . import _impl
-
-Tensor = torch.Tensor
 
 
 def _like(x: Tensor) -> Tensor:

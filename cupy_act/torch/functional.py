@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
+from torch import Tensor
 
 from .. import _registry
 from .._arrays import SUPPORTED
@@ -25,8 +26,6 @@ from .._scalars import check_divisor, check_real
 from . import _autograd, _impl, _library
 
 __all__ = ["relu", "leaky_relu", "div_leaky_relu"]
-
-Tensor = torch.Tensor
 
 
 def _check(fname: str, op: str, x, slope, divisor, bias) -> None:
