@@ -155,26 +155,4 @@ def _init_c_contiguous() -> None:
         c_contiguous = operator.attrgetter("_c_contiguous")  # type: ignore[assignment]
 
 
-def _span(arr) -> tuple[int, int]:
-    """[lo, hi) of the bytes an array touches."""
-    lo = arr.data.ptr
-    if c_contiguous(arr):  # (the common case, without the loop)
-        return lo, lo + arr.nbytes
-    hi = lo
-    for extent, stride in zip(arr.shape, arr.strides):
-        if stride > 0:
-            hi += (extent - 1) * stride
-        else:
-            lo += (extent - 1) * stride
-    return lo, hi + arr.itemsize
-
-
-def overlaps(a, b) -> bool:
-    """Whether the memory spans of two cupy arrays intersect."""
-    if a.size == 0 or b.size == 0:
-        return False
-    (a0, a1), (b0, b1) = _span(a), _span(b)
-    return a0 < b1 and b0 < a1
-
-
 _init_c_contiguous()

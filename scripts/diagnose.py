@@ -172,7 +172,6 @@ def diagnose_cupy() -> None:
         "getDevice": cupy.cuda.runtime.getDevice,
         "c_contiguous": lambda: _arrays.c_contiguous(x),
         "check_like": lambda: _arrays.check_like(y, "out", x, "f"),
-        "overlaps": lambda: _arrays.overlaps(y, x),
         "cupy.empty": lambda: cupy.empty(x.shape, dtype=x.dtype),
         "get_current_stream().ptr": lambda: cupy.cuda.get_current_stream().ptr,
         "launch": lambda: _launch.launch(

@@ -130,7 +130,7 @@ def main() -> None:
         (
             "torch.relu_, x*1",
             on_nonleaf(relu(True), True),
-            on_nonleaf(_TorchReluInplace.apply, True),
+            on_nonleaf(lambda t: _TorchRelu.apply(t, True), True),
         ),
     ):
         t_ref, t_floor = per_call_us((ref, floor), args.calls, args.repeats)
@@ -217,30 +217,20 @@ def cupy_rows(n: int, calls: int, repeats: int) -> None:
 
 
 class _TorchRelu(torch.autograd.Function):
+    """torch.relu (or relu_) and threshold_backward, saving the output as PyTorch does."""
+
     @staticmethod
-    def forward(ctx, x):
-        y = torch.relu(x)
+    def forward(ctx, x, inplace=False):
+        y = torch.relu_(x) if inplace else torch.relu(x)
+        if inplace:
+            ctx.mark_dirty(x)
         ctx.save_for_backward(y)
         return y
 
     @staticmethod
     def backward(ctx, gy):
         (y,) = ctx.saved_tensors
-        return torch.ops.aten.threshold_backward(gy, y, 0)
-
-
-class _TorchReluInplace(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        torch.relu_(x)
-        ctx.mark_dirty(x)
-        ctx.save_for_backward(x)
-        return x
-
-    @staticmethod
-    def backward(ctx, gy):
-        (y,) = ctx.saved_tensors
-        return torch.ops.aten.threshold_backward(gy, y, 0)
+        return torch.ops.aten.threshold_backward(gy, y, 0), None
 
 
 if __name__ == "__main__":

@@ -1,6 +1,15 @@
-"""Shared fixtures: the ``gpu`` marker skips cleanly where no CUDA device is usable."""
+"""Shared fixtures: the ``gpu`` marker skips cleanly where no CUDA device is usable;
+``run_json`` runs a script of scripts/ in a fresh process."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _gpu_count() -> int:
@@ -22,3 +31,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def run_json(script: str, args, out: Path, timeout: int = 900):
+    """Run scripts/<script> with ``args`` and ``--json out`` (this checkout on
+    PYTHONPATH); assert it succeeded and return the JSON it wrote."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / script), *args, "--json", str(out)],
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads(out.read_text())

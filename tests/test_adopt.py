@@ -8,17 +8,13 @@ where PyTorch saves a tensor of the input's dtype.
 
 import contextlib
 import copy
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import torch.nn.functional as TF  # noqa: E402
+from conftest import run_json  # noqa: E402
 from torch import nn  # noqa: E402
 
 import cupy_act.torch as ct  # noqa: E402
@@ -250,19 +246,8 @@ def test_mode_trains_a_functional_model_bit_exact():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_models_script_losses_bit_equal(device, tmp_path):
-    root = Path(__file__).resolve().parents[1]
-    out = tmp_path / "rows.json"
     args = ["--models", "mlp", "--small", "--batches", "4", "9", "--steps", "3", "--rounds", "1"]
-    proc = subprocess.run(
-        [sys.executable, str(root / "scripts" / "models.py"), *args, "--compiled"]
-        + ["--device", device, "--json", str(out)],
-        env=dict(os.environ, PYTHONPATH=str(root)),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    rows = json.loads(out.read_text())
+    rows = run_json("models.py", [*args, "--compiled", "--device", device], tmp_path / "rows.json")
     assert [r["batch"] for r in rows] == [4, 9]
     for r in rows:
         assert r["floor bit-equal"] and r["ours bit-equal"], r

@@ -2,15 +2,13 @@
 small inputs, on CPU and (marked) CUDA; the script runs end to end on a GPU."""
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from conftest import run_json  # noqa: E402
 
 from cupy_act.testing import assert_bits_equal  # noqa: E402
 
@@ -44,17 +42,8 @@ def test_model_new_matches_model(problem, device):
 
 @pytest.mark.gpu
 def test_script_runs_with_the_protocol(tmp_path):
-    out = tmp_path / "kb.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--problems", "20", "71", "--perf-trials", "5"]
-        + ["--correct-trials", "2", "--json", str(out)],
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    rows = json.loads(out.read_text())
+    args = ["--problems", "20", "71", "--perf-trials", "5", "--correct-trials", "2"]
+    rows = run_json("kernelbench.py", args, tmp_path / "kb.json")
     assert {r["problem"] for r in rows} == {kb.PROBLEMS[20][0], kb.PROBLEMS[71][0]}
     for r in rows:
         if r["variant"].startswith("cupy_act"):
