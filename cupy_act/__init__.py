@@ -7,8 +7,9 @@ alone never imports torch.
 """
 
 from . import ops
+from .conv import conv2d_div_leaky_relu
 from .ops import *  # noqa: F401,F403  (the public array-level API, listed in ops.__all__)
 
 __version__ = "0.1.0"
 
-__all__ = list(ops.__all__)
+__all__ = [*ops.__all__, "conv2d_div_leaky_relu"]

@@ -37,8 +37,8 @@ assert _PARAMS_F32.size == _PARAMS_F64.size == 104
 class _Scratch(threading.local):
     """Per-thread argument buffer: cuLaunchKernel copies it before returning."""
 
-    def __init__(self) -> None:
-        self.buf = ctypes.create_string_buffer(_PARAMS_F64.size)
+    def __init__(self, size: int = _PARAMS_F64.size) -> None:
+        self.buf = ctypes.create_string_buffer(size)
         self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.buf))
         self.argv_ptr = ctypes.addressof(self.argv)
 
@@ -106,13 +106,19 @@ def launch(
         1.0 / inner,
         1.0 / channels,
     )
+    run(kernel.ptr, kernel.ctx, (blocks, 1), kernel.threads, stream, s.argv_ptr)
+
+
+def run(ptr: int, ctx: int, grid: tuple[int, int], threads: int, stream: int, argv: int) -> None:
+    """cuLaunchKernel(ptr) in context ``ctx`` (see the module docstring) with the
+    argument pointer array at address ``argv``."""
     current = _ctx_get_current()
-    if current == kernel.ctx:
-        _launch_kernel(kernel.ptr, blocks, 1, 1, kernel.threads, 1, 1, 0, stream, s.argv_ptr, 0)
+    if current == ctx:
+        _launch_kernel(ptr, grid[0], grid[1], 1, threads, 1, 1, 0, stream, argv, 0)
         return
-    _ctx_set_current(kernel.ctx)
+    _ctx_set_current(ctx)
     try:
-        _launch_kernel(kernel.ptr, blocks, 1, 1, kernel.threads, 1, 1, 0, stream, s.argv_ptr, 0)
+        _launch_kernel(ptr, grid[0], grid[1], 1, threads, 1, 1, 0, stream, argv, 0)
     finally:
         if current:  # another context was current: give it back
             _ctx_set_current(current)

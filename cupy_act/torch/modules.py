@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import conv
 from . import functional as F
 
 __all__ = ["ReLU", "LeakyReLU", "DivLeakyReLU", "ConvDivLeakyReLU"]
@@ -67,14 +68,17 @@ class ConvDivLeakyReLU(nn.Module):
     ``self.conv = nn.Conv2d(...)``: same parameters, same ``state_dict`` keys
     (``conv.weight``, ``conv.bias``), loadable either way.
 
-    On CUDA the convolution runs in PyTorch without its bias; bias, division,
-    LeakyReLU and the mask follow in one fused pass (PyTorch's CUDA convolution
-    adds its bias in a separate pass, so this is bit-identical to the eager
-    model). On the CPU, where the convolution adds the bias itself, it keeps it.
-    ``channels_last=True`` runs the convolution in channels-last
-    layout (where cuDNN may use TF32 tensor cores as
-    ``torch.backends.cudnn.allow_tf32`` permits, as torch.compile's choice of
-    layout does) and returns a channels-last output.
+    ``algorithm`` is one of ``conv.ALGORITHMS`` (see
+    ``cupy_act.torch.conv2d_div_leaky_relu``). The default, "exact", runs the
+    convolution in PyTorch without its bias, then bias, division, LeakyReLU and
+    the mask in one fused pass: bit-identical to the eager model (PyTorch's CUDA
+    convolution adds its bias in a separate pass; on the CPU, where it adds it
+    inside, the bias stays there). "channels_last" does the same in
+    channels-last layout (cuDNN may use TF32 as ``torch.backends.cudnn.allow_tf32``
+    permits, as torch.compile's choice of layout does); ``channels_last=True``
+    is kept as its older spelling. "fused" computes everything in one kernel
+    at FP32 accuracy. Grouped convolutions and padding modes other than zeros
+    always take the "exact" path.
     """
 
     def __init__(
@@ -85,28 +89,51 @@ class ConvDivLeakyReLU(nn.Module):
         divisor: float,
         negative_slope: float = 0.01,
         channels_last: bool = False,
+        algorithm: str = "exact",
+        allow_tf32: bool = False,
         **conv_kwargs,
     ) -> None:
         super().__init__()
+        if algorithm not in conv.ALGORITHMS:
+            raise ValueError(
+                f"ConvDivLeakyReLU: algorithm={algorithm!r}; expected one of {conv.ALGORITHMS}"
+            )
         self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, **conv_kwargs)
         self.divisor = divisor
         self.negative_slope = negative_slope
-        self.channels_last = channels_last
+        self.algorithm = "channels_last" if channels_last and algorithm == "exact" else algorithm
+        self.allow_tf32 = allow_tf32
+
+    @property
+    def channels_last(self) -> bool:
+        return self.algorithm == "channels_last"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.conv.weight
+        c = self.conv
+        if c.groups == 1 and c.padding_mode == "zeros":
+            return conv.conv2d_div_leaky_relu(
+                x,
+                c.weight,
+                c.bias,
+                self.divisor,
+                self.negative_slope,
+                c.stride,
+                c.padding,
+                c.dilation,
+                self.algorithm,
+                self.allow_tf32,
+            )
+        weight = c.weight
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
             weight = weight.contiguous(memory_format=torch.channels_last)
-        if not x.is_cuda:
-            # CPU convolutions add their bias inside the kernel, with other
-            # rounding than a separate add: keep it there to stay bit-exact.
-            pre = self.conv._conv_forward(x, weight, self.conv.bias)
+        if not x.is_cuda:  # (see conv._unfused)
+            pre = c._conv_forward(x, weight, c.bias)
             return F.div_leaky_relu(pre, self.divisor, self.negative_slope)
-        pre = self.conv._conv_forward(x, weight, None)
-        return F.div_leaky_relu(pre, self.divisor, self.negative_slope, bias=self.conv.bias)
+        pre = c._conv_forward(x, weight, None)
+        return F.div_leaky_relu(pre, self.divisor, self.negative_slope, bias=c.bias)
 
     def extra_repr(self) -> str:
         return f"divisor={self.divisor}, negative_slope={self.negative_slope}" + (
-            ", channels_last=True" if self.channels_last else ""
+            f", algorithm={self.algorithm!r}" if self.algorithm != "exact" else ""
         )

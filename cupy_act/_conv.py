@@ -1,0 +1,225 @@
+"""The fused convolution kernel (``cuda/conv2d.cu``): geometry checks, lazy
+compilation and the launch, on raw device pointers (no CuPy or torch arrays).
+
+One ``cupy.RawModule`` per dtype, compiled on the first fused call in that
+dtype, separate from the elementwise modules (the first activation call never
+pays for it). The array-level entry (``cupy_act.conv``) and the torch adapter
+(``cupy_act.torch.conv``) check their arrays, allocate, and call ``launch``.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import threading
+from typing import NamedTuple
+
+from . import _launch, _loader
+from ._kernels import CTYPES
+from ._scalars import kernel_scalars
+from ._source import assembled_source
+
+SOURCE = "conv2d.cu"
+THREADS = 128  # kConvThreads
+TILE_M, TILE_N = 128, 64  # output positions x output channels per block (kBM, kBN)
+DTYPES = ("float32", "float16", "bfloat16")  # float64 stays on PyTorch's convolution
+PRECISIONS = ("fp32", "tf32")
+_INT32 = 2**31
+
+
+def passes(dtype: str, precision: str) -> int:
+    """TF32 passes per product: 3 (the 3xTF32 split) for float32 at "fp32"
+    precision, else 1 (16-bit inputs are exact in TF32, see conv2d.cu)."""
+    return 3 if dtype == "float32" and precision == "fp32" else 1
+
+
+def kernel_name(dtype: str, n_passes: int, channels_last: bool) -> str:
+    """The C++ name expression of one instantiation."""
+    cl = "true" if channels_last else "false"
+    return f"cupy_act::conv2d_kernel<{CTYPES[dtype]}, {n_passes}, {cl}>"
+
+
+def module_keys(dtype: str) -> tuple[tuple[str, int, bool], ...]:
+    """(dtype, passes, channels_last) of the instantiations in dtype's module."""
+    counts = (3, 1) if dtype == "float32" else (1,)
+    return tuple((dtype, n, cl) for n in counts for cl in (False, True))
+
+
+def all_kernel_names() -> tuple[str, ...]:
+    """Every fused-convolution instantiation, for the NVRTC checks."""
+    return tuple(kernel_name(*key) for d in DTYPES for key in module_keys(d))
+
+
+class Geometry(NamedTuple):
+    """One convolution's sizes, checked (groups = 1, symmetric zero padding)."""
+
+    n: int
+    cin: int
+    h: int
+    w: int
+    cout: int
+    kh: int
+    kw: int
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dilation: tuple[int, int]
+    oh: int
+    ow: int
+
+    @property
+    def out_shape(self) -> tuple[int, int, int, int]:
+        return (self.n, self.cout, self.oh, self.ow)
+
+
+def pair(value, name: str, fname: str, least: int) -> tuple[int, int]:
+    """An int or a pair of ints, each at least ``least``, as a pair."""
+    items = value if isinstance(value, (tuple, list)) else (value, value)
+    if len(items) != 2 or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= least for v in items
+    ):
+        raise ValueError(f"{fname}: {name}={value!r}; expected an int >= {least} or a pair of them")
+    return int(items[0]), int(items[1])
+
+
+def geometry(fname: str, x_shape, w_shape, stride=1, padding=0, dilation=1) -> Geometry:
+    """Check shapes and hyper-parameters as ``F.conv2d`` would (groups = 1) and
+    work out the output size; ValueError names what is wrong."""
+    if len(x_shape) != 4:
+        raise ValueError(f"{fname}: input must be 4-D (N, C, H, W), got shape {tuple(x_shape)}")
+    if len(w_shape) != 4:
+        raise ValueError(
+            f"{fname}: weight must be 4-D (out_channels, in_channels, kH, kW), "
+            f"got shape {tuple(w_shape)}"
+        )
+    n, cin, h, w = (int(v) for v in x_shape)
+    cout, wcin, kh, kw = (int(v) for v in w_shape)
+    if wcin != cin:
+        raise ValueError(
+            f"{fname}: weight has {wcin} input channels (shape {tuple(w_shape)}), input has "
+            f"{cin} (shape {tuple(x_shape)}); groups other than 1 are not supported"
+        )
+    if min(cout, kh, kw, cin) < 1:
+        raise ValueError(f"{fname}: weight shape {tuple(w_shape)} has an empty dimension")
+    s = pair(stride, "stride", fname, 1)
+    p = pair(padding, "padding", fname, 0)
+    d = pair(dilation, "dilation", fname, 1)
+    oh = (h + 2 * p[0] - d[0] * (kh - 1) - 1) // s[0] + 1
+    ow = (w + 2 * p[1] - d[1] * (kw - 1) - 1) // s[1] + 1
+    if oh < 1 or ow < 1:
+        raise ValueError(
+            f"{fname}: the output would be {oh} x {ow}: input {h} x {w} with padding {p} "
+            f"is smaller than the dilated kernel ({d[0] * (kh - 1) + 1} x {d[1] * (kw - 1) + 1})"
+        )
+    return Geometry(n, cin, h, w, cout, kh, kw, s, p, d, oh, ow)
+
+
+def fits(g: Geometry) -> bool:
+    """Whether the kernel's 32-bit per-image offsets hold (else use PyTorch's path)."""
+    return (
+        g.cin * g.h * g.w < _INT32
+        and g.cout * g.oh * g.ow < _INT32
+        and g.cout * g.cin * g.kh * g.kw < _INT32
+    )
+
+
+# ConvParams of conv2d.cu: x, w, bias, y, mask; m_total; 16 ints; slope, scale,
+# alpha (float bits in the low half of 8 bytes).
+_PARAMS = struct.Struct("<QQQQQq16if4xf4xf4x")
+assert _PARAMS.size == 136
+_scratch = _launch._Scratch(_PARAMS.size)
+
+
+class ConvKernel(NamedTuple):
+    ptr: int  # CUfunction
+    ctx: int  # the context it was loaded in
+    function: object  # keeps the module loaded
+
+
+_lock = threading.Lock()
+_modules: dict[str, object] = {}
+_kernels: dict[tuple, ConvKernel] = {}  # (device, dtype, passes, channels_last)
+
+
+def kernel(device: int, dtype: str, n_passes: int, channels_last: bool) -> ConvKernel:
+    """The instantiation on ``device``; the first call per (device, dtype) compiles
+    (or loads from CuPy's disk cache) that dtype's module."""
+    key = (device, dtype, n_passes, channels_last)
+    k = _kernels.get(key)
+    if k is not None:
+        return k
+    import cupy
+    from cupy.cuda import driver
+
+    with _lock:
+        module = _modules.get(dtype)
+        if module is None:
+            module = _modules[dtype] = cupy.RawModule(
+                code=assembled_source(SOURCE),
+                options=("--std=c++17",),
+                name_expressions=[kernel_name(*k) for k in module_keys(dtype)],
+            )
+        with cupy.cuda.Device(device):
+            cupy.cuda.runtime.setDevice(device)  # make the primary context current (_loader)
+            ctx = driver.ctxGetCurrent()
+            keys = module_keys(dtype)
+            functions = _loader._get_functions(module, [kernel_name(*k) for k in keys])
+            for k2, f in zip(keys, functions):
+                _kernels[(device, *k2)] = ConvKernel(f.kernel.ptr, ctx, f.kernel)
+    return _kernels[key]
+
+
+def launch(
+    device: int,
+    dtype: str,
+    precision: str,
+    channels_last: bool,
+    g: Geometry,
+    stream: int,
+    x: int,
+    w: int,
+    bias: int,
+    y: int,
+    mask: int,
+    negative_slope,
+    divisor,
+    fname: str,
+) -> None:
+    """y = leaky_relu((conv2d(x, w) + bias) / divisor); the mask too if ``mask``.
+
+    Pointers are raw device addresses of dense arrays in the layout's order
+    (x and y NCHW or NHWC, w OIHW or OHWI); the mask buffer must be zeroed.
+    """
+    slope, scale = kernel_scalars("div_leaky_relu", negative_slope, divisor, False, fname)
+    m_total = g.n * g.oh * g.ow
+    if m_total == 0:
+        return
+    k = kernel(device, dtype, passes(dtype, precision), channels_last)
+    s = _scratch
+    _PARAMS.pack_into(
+        s.buf,
+        0,
+        x,
+        w,
+        bias,
+        y,
+        mask,
+        m_total,
+        g.cin,
+        g.h,
+        g.w,
+        g.cout,
+        g.oh,
+        g.ow,
+        g.kh,
+        g.kw,
+        *g.stride,
+        *g.padding,
+        *g.dilation,
+        g.cin * g.kh * g.kw,
+        0,
+        slope,
+        scale,
+        1.0,
+    )
+    grid = (math.ceil(m_total / TILE_M), math.ceil(g.cout / TILE_N))
+    _launch.run(k.ptr, k.ctx, grid, THREADS, stream, s.argv_ptr)

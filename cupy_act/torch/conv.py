@@ -1,0 +1,312 @@
+"""``conv2d_div_leaky_relu``: the reference block ``leaky_relu(conv2d(x) / d)``
+with a choice of algorithm.
+
+- ``"exact"`` (default): PyTorch's convolution without its bias, then bias,
+  division, LeakyReLU and the mask in one elementwise pass: bit for bit the
+  eager block, forward and backward.
+- ``"channels_last"``: the same in channels-last layout, where cuDNN uses TF32
+  tensor cores if ``torch.backends.cudnn.allow_tf32`` (PyTorch's default);
+  returns a channels-last output.
+- ``"fused"``: ``cuda/conv2d.cu``, one kernel for convolution and epilogue,
+  written once; FP32 accuracy (3xTF32) for float32, exact products with
+  float32 accumulation for 16-bit types. Not bit-identical to cuDNN.
+- ``"fused_tf32"``: the fused kernel with one TF32 pass (torch.compile's
+  accuracy); the same as ``"fused"`` for 16-bit types.
+- ``"auto"``: the fastest of the above for this shape and device, timed on
+  first use and cached, among those whose accuracy ``allow_tf32`` permits.
+
+Where the fused kernel does not apply (CPU tensors, float64, a padding string
+it cannot express, an image beyond 2^31 elements) ``"fused"`` falls back to
+``"exact"``. Training through the fused kernel saves x, the weight and the
+1-bit mask; backward applies the mask, then PyTorch's convolution backward.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+from torch import Tensor
+
+from .. import _conv
+from .._arrays import mask_nbytes
+from .._scalars import check_divisor, check_real
+from . import _impl, _library
+from . import functional as F
+
+__all__ = ["conv2d_div_leaky_relu", "ALGORITHMS"]
+
+ALGORITHMS = ("exact", "channels_last", "fused", "fused_tf32", "auto")
+FNAME = "cupy_act.torch.conv2d_div_leaky_relu"
+_FUSED_DTYPES = {getattr(torch, d) for d in _conv.DTYPES}
+
+
+def fused_forward(
+    x: Tensor, weight: Tensor, bias, divisor, slope, stride, padding, dilation, tf32, with_mask
+) -> tuple[Tensor, Tensor]:
+    """(y, mask) from the fused kernel; the mask is empty without ``with_mask``.
+
+    x's layout decides the kernel's: channels-last in, channels-last out (and
+    the mask in that memory order), else NCHW.
+    """
+    g = _conv.geometry(FNAME, x.shape, weight.shape, stride, padding, dilation)
+    cl = _impl.is_channels_last(x)
+    fmt = torch.channels_last if cl else torch.contiguous_format
+    x = x.contiguous(memory_format=fmt)
+    w = weight.contiguous(memory_format=fmt)  # OIHW, or OHWI in memory
+    y = torch.empty(g.out_shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+    nbytes = mask_nbytes(y.numel()) if with_mask else 0
+    mask = torch.zeros(nbytes, dtype=torch.uint8, device=x.device)
+    b = None if bias is None else bias.contiguous()
+    dev = x.get_device()
+    _conv.launch(
+        dev,
+        _impl.DTYPE_NAMES[x.dtype],
+        "tf32" if tf32 else "fp32",
+        cl,
+        g,
+        _impl._raw_stream(dev),
+        x.data_ptr(),
+        w.data_ptr(),
+        0 if b is None else b.data_ptr(),
+        y.data_ptr(),
+        mask.data_ptr() if nbytes else 0,
+        slope,
+        divisor,
+        FNAME,
+    )
+    return y, mask
+
+
+@torch.library.custom_op("cupy_act::conv2d_div_leaky_relu", mutates_args=())
+def fused_op(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    divisor: float,
+    negative_slope: float,
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    tf32: bool,
+    with_mask: bool,
+) -> tuple[Tensor, Tensor]:
+    return fused_forward(
+        x, weight, bias, divisor, negative_slope, stride, padding, dilation, tf32, with_mask
+    )
+
+
+@fused_op.register_fake
+def _(x, weight, bias, divisor, negative_slope, stride, padding, dilation, tf32, with_mask):
+    g = _conv.geometry(FNAME, x.shape, weight.shape, stride, padding, dilation)
+    fmt = torch.channels_last if _impl.is_channels_last(x) else torch.contiguous_format
+    y = torch.empty(g.out_shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+    n = mask_nbytes(y.numel()) if with_mask else 0
+    return y, x.new_empty(n, dtype=torch.uint8)
+
+
+def _setup(ctx, inputs, output):
+    x, weight, bias, divisor, slope, stride, padding, dilation, tf32, with_mask = inputs
+    if not with_mask:
+        ctx.no_mask = True
+        return
+    ctx.no_mask = False
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.mark_non_differentiable(output[1])
+    ctx.args = (slope, divisor, stride, padding, dilation, _impl.is_channels_last(x))
+    ctx.bias = None if bias is None else [bias.shape[0]]
+
+
+def _backward(ctx, gy, gmask):
+    if ctx.no_mask:
+        raise RuntimeError(f"{FNAME}: this fused call ran without a mask; it has no backward")
+    x, w, mask = ctx.saved_tensors
+    slope, divisor, stride, padding, dilation, cl = ctx.args
+    # d loss / d (conv + bias): the mask backward of the elementwise op.
+    d = _library.backward_op(gy, mask, "div_leaky_relu", slope, divisor, cl)
+    need = ctx.needs_input_grad
+    out_mask = [need[0], need[1], ctx.bias is not None and need[2]]
+    gx, gw, gb = torch.ops.aten.convolution_backward(
+        d, x, w, ctx.bias, stride, padding, dilation, False, [0, 0], 1, out_mask
+    )
+    return gx, gw, gb, None, None, None, None, None, None, None
+
+
+fused_op.register_autograd(_backward, setup_context=_setup)
+
+
+def _padding(padding, weight: Tensor, dilation, stride):
+    """Padding as a pair of ints, or None where the fused kernel cannot express it
+    (asymmetric "same"). Strings as ``F.conv2d`` takes them."""
+    if not isinstance(padding, str):
+        return _conv.pair(padding, "padding", FNAME, 0)
+    if padding == "valid":
+        return (0, 0)
+    if padding != "same":
+        raise ValueError(f"{FNAME}: padding={padding!r}; expected 'valid', 'same' or ints")
+    s, d = _conv.pair(stride, "stride", FNAME, 1), _conv.pair(dilation, "dilation", FNAME, 1)
+    if s != (1, 1):
+        raise ValueError(f"{FNAME}: padding='same' needs stride 1, got stride={stride!r}")
+    total = [d[i] * (weight.shape[2 + i] - 1) for i in range(2)]
+    if total[0] % 2 or total[1] % 2:
+        return None
+    return (total[0] // 2, total[1] // 2)
+
+
+def _fusable(x: Tensor, weight: Tensor, pad, stride, dilation) -> bool:
+    if not (x.is_cuda and x.dtype in _FUSED_DTYPES) or pad is None:
+        return False
+    return _conv.fits(_conv.geometry(FNAME, x.shape, weight.shape, stride, pad, dilation))
+
+
+def _check(x, weight, bias, divisor, slope, algorithm) -> None:
+    for name, t in (("input", x), ("weight", weight)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{FNAME}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.dtype not in _impl.DTYPE_NAMES:
+        supported = ", ".join(_impl.DTYPE_NAMES.values())
+        raise TypeError(f"{FNAME}: input has dtype {x.dtype}; supported: {supported}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (t.dtype != x.dtype or t.device != x.device):
+            raise TypeError(
+                f"{FNAME}: {name} is {t.dtype} on {t.device}, input is {x.dtype} on {x.device}"
+            )
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise ValueError(
+            f"{FNAME}: bias has shape {tuple(bias.shape)}, expected ({weight.shape[0]},): "
+            f"one per output channel"
+        )
+    check_divisor(divisor, FNAME)
+    check_real(slope, "negative_slope", FNAME)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"{FNAME}: algorithm={algorithm!r}; expected one of {ALGORITHMS}")
+
+
+def conv2d_div_leaky_relu(
+    input: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    divisor: float = 1.0,
+    negative_slope: float = 0.01,
+    stride=1,
+    padding=0,
+    dilation=1,
+    algorithm: str = "exact",
+    allow_tf32: bool = False,
+) -> Tensor:
+    """``F.leaky_relu(F.conv2d(input, weight, bias, stride, padding, dilation) / divisor,
+    negative_slope)`` with the algorithm named (see the module docstring).
+
+    Args:
+        input: (N, Cin, H, W); weight: (Cout, Cin, kH, kW); bias: (Cout,) or None,
+            all of one dtype and device (groups = 1, zero padding).
+        stride, padding, dilation: as ``F.conv2d`` takes them.
+        algorithm: "exact" (bit-identical to eager, the default), "channels_last",
+            "fused", "fused_tf32" or "auto".
+        allow_tf32: lets "auto" pick algorithms with TF32 accuracy
+            ("fused_tf32", and "channels_last" while cuDNN may use TF32).
+    Returns:
+        The output; channels-last where the input is, or for "channels_last".
+    Autograd saves a 1-bit mask instead of the convolution's output (and for
+    the fused algorithms never materialises that output at all).
+    """
+    _check(input, weight, bias, divisor, negative_slope, algorithm)
+    pad = _padding(padding, weight, dilation, stride)
+    if algorithm == "auto":
+        algorithm = _choose(
+            input, weight, bias, divisor, negative_slope, stride, pad, dilation, padding, allow_tf32
+        )
+    if algorithm.startswith("fused") and _fusable(input, weight, pad, stride, dilation):
+        tf32 = algorithm == "fused_tf32"
+        needs_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (input, weight, bias)
+        )
+        s = list(_conv.pair(stride, "stride", FNAME, 1))
+        d = list(_conv.pair(dilation, "dilation", FNAME, 1))
+        args = (input, weight, bias, float(divisor), float(negative_slope), s, list(pad), d, tf32)
+        if needs_grad or torch.compiler.is_compiling():
+            return fused_op(*args, needs_grad)[0]
+        return fused_forward(*args, False)[0]
+    cl = algorithm == "channels_last"
+    return _unfused(input, weight, bias, divisor, negative_slope, stride, padding, dilation, cl)
+
+
+def _unfused(x, weight, bias, divisor, slope, stride, padding, dilation, channels_last):
+    """PyTorch's convolution, then the fused elementwise epilogue ("exact" and
+    "channels_last")."""
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+        weight = weight.contiguous(memory_format=torch.channels_last)
+    if not x.is_cuda:
+        # CPU convolutions add their bias inside the kernel, with other
+        # rounding than a separate add: keep it there to stay bit-exact.
+        pre = torch.nn.functional.conv2d(x, weight, bias, stride, padding, dilation)
+        return F.div_leaky_relu(pre, divisor, slope)
+    pre = torch.nn.functional.conv2d(x, weight, None, stride, padding, dilation)
+    return F.div_leaky_relu(pre, divisor, slope, bias=bias)
+
+
+# ---- "auto": time the candidates once per shape ----
+
+_choices: dict[tuple, str] = {}
+
+
+def candidates(dtype: torch.dtype, allow_tf32: bool) -> tuple[str, ...]:
+    """The algorithms "auto" may pick: FP32-accurate ones, plus TF32 ones when allowed.
+
+    For 16-bit inputs every algorithm multiplies exactly and accumulates in
+    float32, so all are candidates ("fused_tf32" is "fused" there).
+    """
+    if dtype != torch.float32:
+        return ("exact", "channels_last", "fused")
+    tf32_cudnn = torch.backends.cudnn.allow_tf32
+    out = ["exact", "fused"]
+    if allow_tf32 or not tf32_cudnn:
+        out.append("channels_last")
+    if allow_tf32:
+        out.append("fused_tf32")
+    return tuple(out)
+
+
+def _choose(x, weight, bias, divisor, slope, stride, pad, dilation, padding, allow_tf32) -> str:
+    """The cached or newly measured fastest candidate for this call's shape."""
+    fusable = _fusable(x, weight, pad, stride, dilation)
+    if not x.is_cuda:
+        return "exact"
+    key = (x.device, x.dtype, tuple(x.shape), _impl.is_channels_last(x), tuple(weight.shape))
+    key += (bias is not None, str(stride), str(padding), str(dilation), allow_tf32)
+    key += (torch.backends.cudnn.allow_tf32,)
+    choice = _choices.get(key)
+    if choice is not None:
+        return choice
+    # No timing while compiling or capturing a graph: the fused kernel, if it applies.
+    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        return "fused" if fusable else "exact"
+    names = [a for a in candidates(x.dtype, allow_tf32) if fusable or not a.startswith("fused")]
+    times = {}
+    args = (x, weight, bias, divisor, slope, stride, padding, dilation)
+    with torch.no_grad():
+        for name in names:
+            times[name] = _time(lambda a=name: conv2d_div_leaky_relu(*args, algorithm=a))
+    choice = _choices[key] = min(times, key=times.__getitem__)
+    return choice
+
+
+def _time(fn, warmup: int = 2, reps: int = 7) -> float:
+    """Median milliseconds of ``fn`` on the current stream (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end))
+    return statistics.median(out)
+
+
+def auto_choices() -> dict[tuple, str]:
+    """What "auto" picked so far, by shape key (a copy; for logs and benchmarks)."""
+    return dict(_choices)

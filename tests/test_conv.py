@@ -1,0 +1,487 @@
+"""conv2d_div_leaky_relu: the fused kernel (accuracy against float64, masks,
+gradients, non-finite inputs, layouts, compile, graphs) and the algorithm switch.
+
+The fused kernel cannot match cuDNN's summation order, so its forward is held
+to a stated accuracy (see ``bound``) over many shapes; "exact" stays bit for bit.
+CPU-only machines run the NVRTC/PTX checks, the argument checks and the
+fallbacks.
+"""
+
+import functools
+import random
+import re
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("cupy")
+
+import torch.nn.functional as F  # noqa: E402
+
+import cupy_act.torch as ct  # noqa: E402
+from cupy_act import _conv, mask_nbytes, testing  # noqa: E402
+from cupy_act.torch import _impl, conv  # noqa: E402
+
+gpu = pytest.mark.gpu
+DIVISOR, SLOPE = 2.0, 0.01
+
+
+def block(x, w, b, stride=1, padding=0, dilation=1, divisor=DIVISOR, slope=SLOPE):
+    return F.leaky_relu(F.conv2d(x, w, b, stride, padding, dilation) / divisor, slope)
+
+
+# ---- NVRTC: compiles without a GPU; the PTX has what the design relies on ----
+
+
+@functools.cache
+def compiled(arch: int):
+    from cupy_backends.cuda.libs import nvrtc
+
+    from cupy_act._source import assembled_source
+
+    names = _conv.all_kernel_names()
+    prog = nvrtc.createProgram(assembled_source(_conv.SOURCE), "conv2d.cu", (), ())
+    try:
+        for name in names:
+            nvrtc.addNameExpression(prog, name)
+        opts = ("--std=c++17", "-ftz=true", "--device-as-default-execution-space")
+        nvrtc.compileProgram(prog, (*opts, f"-arch=sm_{arch}", "-Xptxas=-v"))
+        log = nvrtc.getProgramLog(prog)
+        nvrtc.destroyProgram(prog)
+        prog = nvrtc.createProgram(assembled_source(_conv.SOURCE), "conv2d.cu", (), ())
+        for name in names:
+            nvrtc.addNameExpression(prog, name)
+        nvrtc.compileProgram(prog, (*opts, f"-arch=compute_{arch}"))
+        ptx = nvrtc.getPTX(prog).decode()
+    finally:
+        nvrtc.destroyProgram(prog)
+    return ptx, log
+
+
+@pytest.mark.parametrize("arch", [80, 90, 100, 120])
+def test_fused_kernel_ptx(arch):
+    """Tensor-core TF32 MMAs, no flushing arithmetic, no local memory, and the
+    parameter block the host packs; ptxas reports no spills."""
+    ptx, log = compiled(arch)
+    assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in ptx
+    assert "cvt.rna.tf32.f32" in ptx
+    assert ".ftz" not in ptx
+    assert ".local" not in ptx and "__local_depot" not in ptx
+    assert len(re.findall(r"^\.(?:visible|weak) \.entry ", ptx, re.M)) == len(
+        _conv.all_kernel_names()
+    )
+    sizes = set(re.findall(r"\.param \.align \d+ \.b8 \S+_param_0\[(\d+)\]", ptx))
+    assert sizes == {str(_conv._PARAMS.size)}
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert spills and all(s == ("0", "0") for s in spills), log
+
+
+# ---- geometry and arguments (anywhere) ----
+
+
+GEOMETRIES = [  # (x shape, w shape, stride, padding, dilation)
+    ((2, 3, 9, 11), (5, 3, 3, 3), 1, 0, 1),
+    ((1, 1, 7, 7), (1, 1, 7, 7), 1, 0, 1),
+    ((2, 4, 17, 5), (3, 4, 3, 1), (2, 1), (1, 0), (1, 2)),
+    ((1, 2, 30, 31), (4, 2, 5, 5), 3, 2, 2),
+    ((1, 3, 8, 8), (2, 3, 1, 1), 2, 0, 1),
+]
+
+
+@pytest.mark.parametrize("xs, ws, stride, padding, dilation", GEOMETRIES)
+def test_geometry_matches_conv2d(xs, ws, stride, padding, dilation):
+    g = _conv.geometry("f", xs, ws, stride, padding, dilation)
+    y = F.conv2d(torch.zeros(xs), torch.zeros(ws), None, stride, padding, dilation)
+    assert g.out_shape == tuple(y.shape)
+
+
+@pytest.mark.parametrize(
+    "xs, ws, kw, match",
+    [
+        ((2, 3, 9), (5, 3, 3, 3), {}, "input must be 4-D"),
+        ((2, 3, 9, 9), (5, 3, 3), {}, "weight must be 4-D"),
+        ((2, 3, 9, 9), (5, 2, 3, 3), {}, "groups other than 1"),
+        ((2, 3, 9, 9), (5, 3, 3, 3), dict(stride=0), "stride=0"),
+        ((2, 3, 9, 9), (5, 3, 3, 3), dict(padding=-1), "padding=-1"),
+        ((2, 3, 9, 9), (5, 3, 3, 3), dict(dilation=(1, 2, 3)), "dilation"),
+        ((2, 3, 9, 9), (5, 3, 3, 3), dict(stride=1.5), "stride=1.5"),
+        ((2, 3, 2, 2), (5, 3, 3, 3), {}, "output would be 0 x 0"),
+    ],
+)
+def test_geometry_errors_name_the_value(xs, ws, kw, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        _conv.geometry("f", xs, ws, **kw)
+
+
+def test_fits_guards_32_bit_offsets():
+    g = _conv.geometry("f", (1, 2**16, 2**8, 2**8), (1, 2**16, 1, 1))
+    assert not _conv.fits(g)
+    assert _conv.fits(_conv.geometry("f", (4, 8, 64, 64), (16, 8, 3, 3)))
+
+
+def test_passes():
+    assert _conv.passes("float32", "fp32") == 3
+    assert _conv.passes("float32", "tf32") == 1
+    assert _conv.passes("bfloat16", "fp32") == _conv.passes("float16", "fp32") == 1
+
+
+def _xwb(xs=(2, 3, 9, 11), ws=(5, 3, 3, 3), device="cpu", dtype=torch.float32, seed=0):
+    g = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(xs, generator=g, device=device, dtype=dtype)
+    w = torch.randn(ws, generator=g, device=device, dtype=dtype) * 0.3
+    b = torch.randn(ws[0], generator=g, device=device, dtype=dtype)
+    return x, w, b
+
+
+@pytest.mark.parametrize(
+    "kw, exc, match",
+    [
+        (dict(algorithm="fast"), ValueError, "algorithm='fast'"),
+        (dict(divisor=0.0), ValueError, "divisor"),
+        (dict(negative_slope=True), TypeError, "negative_slope"),
+        (dict(bias=torch.zeros(4)), ValueError, "bias has shape (4,)"),
+        (dict(bias=torch.zeros(5, dtype=torch.float64)), TypeError, "bias is torch.float64"),
+        (dict(padding="full"), ValueError, "padding='full'"),
+        (dict(padding="same", stride=2), ValueError, "needs stride 1"),
+    ],
+)
+def test_torch_api_errors(kw, exc, match):
+    x, w, b = _xwb()
+    args = dict(bias=b) | kw
+    with pytest.raises(exc, match=re.escape(match)):
+        ct.conv2d_div_leaky_relu(x, w, **args)
+
+
+def test_torch_api_refuses_non_tensors():
+    x, w, _ = _xwb()
+    with pytest.raises(TypeError, match="weight must be a torch.Tensor"):
+        ct.conv2d_div_leaky_relu(x, w.numpy())
+
+
+@pytest.mark.parametrize("algorithm", conv.ALGORITHMS)
+@pytest.mark.parametrize("xs, ws, stride, padding, dilation", GEOMETRIES[:3])
+def test_cpu_every_algorithm_is_eager(algorithm, xs, ws, stride, padding, dilation):
+    """On the CPU every algorithm falls back to PyTorch's convolution: bit for
+    bit the eager block, with gradients."""
+    x, w, b = _xwb(xs, ws)
+    ref = block(x, w, b, stride, padding, dilation)
+    y = ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, SLOPE, stride, padding, dilation, algorithm)
+    testing.assert_bits_equal(y, ref.contiguous(memory_format=_fmt(y)), algorithm)
+
+
+def _fmt(y):
+    return torch.channels_last if _impl.is_channels_last(y) else torch.contiguous_format
+
+
+def test_module_algorithm_and_state_dict():
+    m = ct.ConvDivLeakyReLU(3, 5, 3, 2.0, algorithm="fused", stride=2, padding=1)
+    assert set(m.state_dict()) == {"conv.weight", "conv.bias"}
+    assert "algorithm='fused'" in repr(m)
+    assert ct.ConvDivLeakyReLU(3, 5, 3, 2.0, channels_last=True).algorithm == "channels_last"
+    with pytest.raises(ValueError, match="algorithm='x'"):
+        ct.ConvDivLeakyReLU(3, 5, 3, 2.0, algorithm="x")
+    ref = testing.ConvDivLeakyReLUModel(3, 5, 3, 2.0)
+    ref.conv = torch.nn.Conv2d(3, 5, 3, stride=2, padding=1)
+    m.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 3, 9, 9)
+    testing.assert_bits_equal(m(x), ref(x))
+
+
+def test_module_grouped_conv_takes_the_exact_path():
+    m = ct.ConvDivLeakyReLU(4, 6, 3, 2.0, algorithm="fused", groups=2)
+    ref = testing.ConvDivLeakyReLUModel(4, 6, 3, 2.0)
+    ref.conv = torch.nn.Conv2d(4, 6, 3, groups=2)
+    ref.load_state_dict(m.state_dict())
+    x = torch.randn(2, 4, 8, 8)
+    testing.assert_bits_equal(m(x), ref(x))
+
+
+def test_auto_candidates_follow_the_accuracy_class():
+    assert conv.candidates(torch.float32, False)[:2] == ("exact", "fused")
+    assert "fused_tf32" in conv.candidates(torch.float32, True)
+    assert "fused_tf32" not in conv.candidates(torch.float32, False)
+    assert "channels_last" in conv.candidates(torch.bfloat16, False)
+
+
+# ---- GPU: accuracy of the fused kernel over many shapes ----
+
+
+def random_cases(count: int, seed: int = 11):
+    """(x shape, w shape, stride, padding, dilation): odd sizes, channels not
+    multiples of 8, batch 1, kernels 1x1 to 7x7."""
+    rng = random.Random(seed)
+    out = []
+    while len(out) < count:
+        k = (rng.choice([1, 2, 3, 5, 7]), rng.choice([1, 3, 4, 7]))
+        d = (rng.choice([1, 1, 2]), rng.choice([1, 2]))
+        s = (rng.choice([1, 1, 2, 3]), rng.choice([1, 2]))
+        p = (rng.randint(0, 3), rng.randint(0, 3))
+        h, w = rng.randint(1, 40), rng.randint(1, 70)
+        xs = (rng.choice([1, 1, 2, 3]), rng.randint(1, 19), h, w)
+        ws = (rng.randint(1, 80), xs[1], *k)
+        if any(
+            (n + 2 * p[i] - d[i] * (k[i] - 1) - 1) // s[i] + 1 < 1 for i, n in enumerate((h, w))
+        ):
+            continue
+        out.append((xs, ws, s, p, d))
+    return out
+
+
+CASES = random_cases(40)
+EPS = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+def bound(x, w, b, stride, padding, dilation, dtype, tf32):
+    """Per-element error bound against the float64 reference.
+
+    Products: |a b| 2^-21 for the 3xTF32 split (2^-10 for TF32), summed: the
+    float64 convolution of |x| and |w| scales it; the float32 accumulation adds
+    K eps |.| on the same scale; rounding the output and the epilogue's three
+    roundings add 4 ulp of the output type.
+    """
+    xd, wd = x.double(), w.double()
+    mag = F.conv2d(xd.abs(), wd.abs(), b.double().abs(), stride, padding, dilation)
+    k = w[0].numel()
+    prod = 2.0**-10 if tf32 else 2.0**-20
+    scale = (prod + (k + 2) * 2.0**-24) * mag / abs(DIVISOR)
+    ref = block(xd, wd, b.double(), stride, padding, dilation)
+    return ref, scale + 4 * EPS[dtype] * ref.abs() + 1e-30
+
+
+def _layout(t, cl):
+    return t.contiguous(memory_format=torch.channels_last) if cl else t
+
+
+@gpu
+@pytest.mark.parametrize("cl", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize(
+    "dtype, algorithm",
+    [
+        (torch.float32, "fused"),
+        (torch.float32, "fused_tf32"),
+        (torch.float16, "fused"),
+        (torch.bfloat16, "fused"),
+    ],
+)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_fused_forward_accuracy(case, dtype, algorithm, cl):
+    xs, ws, stride, padding, dilation = CASES[case]
+    x, w, b = _xwb(xs, ws, "cuda", dtype, seed=case)
+    x, w = _layout(x, cl), _layout(w, cl)
+    y = ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, SLOPE, stride, padding, dilation, algorithm)
+    assert y.shape == tuple(F.conv2d(x, w, None, stride, padding, dilation).shape)
+    assert _impl.is_channels_last(y) == (cl and _impl.is_channels_last(x))
+    ref, tol = bound(x, w, b, stride, padding, dilation, dtype, algorithm == "fused_tf32")
+    err = (y.double() - ref).abs()
+    worst = (err / tol).max().item()
+    assert worst <= 1.0, f"error {err.max().item():.3g}, {worst:.2f}x the bound"
+
+
+@gpu
+def test_fused_error_within_10x_eager_at_the_reference_shape():
+    """The issue's accuracy class: max error against float64 at most 10x eager's
+    (reduced batch of the reference shape)."""
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        conv2 = torch.nn.Conv2d(8, 64, 3).cuda()
+        w, b = conv2.weight.detach(), conv2.bias.detach()
+        x = torch.randn(8, 8, 128, 128, device="cuda")
+        ref = block(x.double(), w.double(), b.double())
+        eager = (block(x, w, b).double() - ref).abs().max().item()
+        y = ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, SLOPE, algorithm="fused")
+        ours = (y.double() - ref).abs().max().item()
+    finally:
+        torch.backends.cudnn.allow_tf32 = True
+    assert ours <= 10 * eager, (ours, eager)
+
+
+@gpu
+def test_exact_is_bit_identical_to_eager():
+    x, w, b = _xwb((3, 5, 21, 19), (7, 5, 3, 3), "cuda")
+    ref = block(x, w, b, 1, 1)
+    y = ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, SLOPE, 1, 1)
+    testing.assert_bits_equal(y, ref)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cl", [False, True], ids=["nchw", "nhwc"])
+def test_non_finite_inputs_propagate_as_in_eager(dtype, cl):
+    x, w, b = _xwb((2, 4, 16, 20), (6, 4, 3, 3), "cuda", dtype)
+    flat = x.view(-1)
+    flat[torch.randperm(flat.numel(), device="cuda")[:12]] = float("nan")
+    flat[torch.randperm(flat.numel(), device="cuda")[:12]] = float("inf")
+    flat[torch.randperm(flat.numel(), device="cuda")[:12]] = float("-inf")
+    x, w = _layout(x, cl), _layout(w, cl)
+    ref = block(x.double(), w.double(), b.double(), 1, 1)
+    y = ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, SLOPE, 1, 1, algorithm="fused").double()
+    assert torch.equal(y.isnan(), ref.isnan())
+    assert torch.equal(y == float("inf"), ref == float("inf"))
+    assert torch.equal(y == float("-inf"), ref == float("-inf"))
+
+
+def _fused_with_mask(x, w, b, stride=1, padding=0, dilation=1, tf32=False):
+    return conv.fused_forward(
+        x, w, b, DIVISOR, SLOPE, _conv.pair(stride, "s", "t", 1),
+        _conv.pair(padding, "p", "t", 0), _conv.pair(dilation, "d", "t", 1), tf32, True,
+    )  # fmt: skip
+
+
+@gpu
+@pytest.mark.parametrize("cl", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize(
+    "xs, ws, padding",
+    [
+        ((3, 5, 21, 19), (7, 5, 3, 3), 1),  # plane 399: runs cross channels
+        ((2, 3, 8, 8), (33, 3, 3, 3), 0),  # plane 36, 33 channels
+        ((1, 2, 5, 5), (70, 2, 3, 3), 0),  # plane 9 < 32: every run is broken
+        ((4, 8, 32, 32), (64, 8, 3, 3), 1),  # aligned: whole words
+        ((2, 8, 130, 3), (96, 8, 1, 1), 0),  # two column tiles
+    ],
+)
+def test_mask_decodes_to_the_backward_bits(xs, ws, padding, cl):
+    """The mask bit is set exactly where the output is > 0 (slope > 0), in the
+    output's memory order, and the bits past the end are 0."""
+    x, w, b = _xwb(xs, ws, "cuda")
+    x, w = _layout(x, cl), _layout(w, cl)
+    y, mask = _fused_with_mask(x, w, b, 1, padding)
+    cl_out = _impl.is_channels_last(y)
+    assert mask.numel() == mask_nbytes(y.numel())
+    bits = _impl.mask_to_bits(mask.cpu(), tuple(y.shape), cl_out)
+    assert torch.equal(bits, (y > 0).cpu())
+    tail = _impl.unpack_bits(mask.cpu(), mask.numel() * 8)[y.numel() :]
+    assert not tail.any()
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cl", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_fused_gradients_match_eager(dtype, cl, with_bias):
+    """Gradients of x, weight and bias within FP32 (bfloat16) accuracy of eager's;
+    what autograd saves is x, the weight and a 1-bit mask."""
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        x0, w0, b0 = _xwb((2, 6, 23, 17), (10, 6, 3, 3), "cuda", dtype)
+        x0, w0 = _layout(x0, cl), _layout(w0, cl)
+        b0 = b0 if with_bias else None
+        gy = torch.randn(2, 10, 12, 9, device="cuda", dtype=dtype)
+        grads = []
+        for alg in ("reference", "fused"):
+            x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+            b = None if b0 is None else b0.clone().requires_grad_()
+            if alg == "reference":
+                y = block(x, w, b, 2, 1)
+            else:
+                y, sizes = testing.saved_sizes(
+                    lambda: ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, SLOPE, 2, 1, 1, alg)
+                )
+                mask_bytes = mask_nbytes(y.numel())
+                assert sorted(n * t.itemsize for t, n in sizes) == sorted(
+                    [x.numel() * x.element_size(), w.numel() * w.element_size(), mask_bytes]
+                )
+            y.backward(gy)
+            grads.append([t.grad for t in (x, w, b) if t is not None])
+    finally:
+        torch.backends.cudnn.allow_tf32 = True
+    rtol = 1e-4 if dtype == torch.float32 else 3e-2
+    for ours, ref in zip(grads[1], grads[0]):
+        rel = ((ours.double() - ref.double()).norm() / ref.double().norm()).item()
+        assert rel <= rtol, rel
+
+
+@gpu
+def test_fused_input_without_grad_skips_the_input_gradient():
+    x, w, b = _xwb((2, 3, 9, 11), (5, 3, 3, 3), "cuda")
+    w.requires_grad_()
+    ct.conv2d_div_leaky_relu(x, w, b, algorithm="fused").sum().backward()
+    assert x.grad is None and w.grad is not None
+
+
+@gpu
+def test_fused_under_torch_compile_and_opcheck():
+    x, w, b = _xwb((2, 3, 16, 16), (8, 3, 3, 3), "cuda")
+
+    def f(x, w, b):
+        return ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, SLOPE, 1, 1, algorithm="fused")
+
+    compiled = torch.compile(f, fullgraph=True)
+    testing.assert_bits_equal(compiled(x, w, b), f(x, w, b))
+    xs = [t.clone().requires_grad_() for t in (x, w, b)]
+    compiled(*xs).sum().backward()
+    xe = [t.clone().requires_grad_() for t in (x, w, b)]
+    f(*xe).sum().backward()
+    for a, e in zip(xs, xe):
+        testing.assert_bits_equal(a.grad, e.grad)
+    args = (x, w, b, DIVISOR, SLOPE, [1, 1], [1, 1], [1, 1], False, True)
+    torch.library.opcheck(conv.fused_op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+@gpu
+def test_fused_in_a_cuda_graph():
+    x, w, b = _xwb((2, 3, 16, 16), (8, 3, 3, 3), "cuda")
+    eager = ct.conv2d_div_leaky_relu(x, w, b, algorithm="fused")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        ct.conv2d_div_leaky_relu(x, w, b, algorithm="fused")  # compile and load first
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ct.conv2d_div_leaky_relu(x, w, b, algorithm="fused")
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    testing.assert_bits_equal(out, ct.conv2d_div_leaky_relu(x, w, b, algorithm="fused"))
+    assert not torch.equal(out, eager)
+
+
+@gpu
+def test_auto_picks_a_candidate_and_caches_it():
+    x, w, b = _xwb((4, 8, 32, 32), (16, 8, 3, 3), "cuda")
+    y = ct.conv2d_div_leaky_relu(x, w, b, algorithm="auto")
+    picked = [v for k, v in conv.auto_choices().items() if k[2] == tuple(x.shape)]
+    assert len(picked) == 1 and picked[0] in conv.candidates(torch.float32, False)
+    testing.assert_bits_equal(y, ct.conv2d_div_leaky_relu(x, w, b, algorithm=picked[0]))
+
+
+@gpu
+def test_fused_falls_back_where_it_does_not_apply():
+    """float64 and an asymmetric 'same' padding run the exact path: bit for bit eager."""
+    x, w, b = _xwb((2, 3, 9, 11), (5, 3, 3, 3), "cuda", torch.float64)
+    testing.assert_bits_equal(ct.conv2d_div_leaky_relu(x, w, b, algorithm="fused"), block(x, w, b))
+    x, w, b = _xwb((2, 3, 9, 11), (5, 3, 2, 2), "cuda")
+    y = ct.conv2d_div_leaky_relu(x, w, b, padding="same", algorithm="fused")
+    testing.assert_bits_equal(y, block(x, w, b, padding="same"))
+
+
+@gpu
+def test_empty_batch():
+    x, w, b = _xwb((0, 3, 9, 11), (5, 3, 3, 3), "cuda")
+    y = ct.conv2d_div_leaky_relu(x, w, b, algorithm="fused")
+    assert y.shape == (0, 5, 7, 9)
+
+
+@gpu
+@pytest.mark.parametrize("cl", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+def test_cupy_entry_matches_the_torch_path(cl, precision):
+    import cupy
+
+    import cupy_act
+
+    x, w, b = _xwb((2, 5, 19, 23), (9, 5, 3, 3), "cuda")
+    x = _layout(x, cl)
+    y_t, m_t = _fused_with_mask(x, w, b, 2, 1, 1, tf32=precision == "tf32")
+    cx = cupy.from_dlpack(x)
+    y, mask = cupy_act.conv2d_div_leaky_relu(
+        cx, cupy.from_dlpack(w), cupy.from_dlpack(b), DIVISOR, SLOPE, 2, 1,
+        precision=precision, with_mask=True,
+    )  # fmt: skip
+    assert y.shape == tuple(y_t.shape) and y.strides == tuple(s * 4 for s in y_t.stride())
+    testing.assert_bits_equal(torch.from_dlpack(y), y_t)
+    assert torch.equal(torch.from_dlpack(mask), m_t)
+    with pytest.raises(ValueError, match="precision='fp16'"):
+        cupy_act.conv2d_div_leaky_relu(cx, cupy.from_dlpack(w), precision="fp16")
+    with pytest.raises(TypeError, match="float64"):
+        cupy_act.conv2d_div_leaky_relu(cx.astype(cupy.float64), cupy.from_dlpack(w))
