@@ -4,15 +4,19 @@
 //     y = leaky_relu((conv2d(x, w) + bias) / divisor, slope)    written once
 //
 // An implicit GEMM on tensor cores (mma.sync m16n8k8 TF32, sm_80 and later):
-//   rows    m = (n, oh, ow)            M = N * OH * OW   (output positions)
-//   columns j = co                     Cout              (output channels)
-//   depth   k = (ci, kh, kw) for NCHW, (kh, kw, ci) for NHWC: the weight's own
-//           memory order in both layouts, so its rows are read as they lie.
-// A[m][k] is the input under the filter tap, gathered on the fly (zero outside
-// the padded image); B[k][j] is the weight. Each 128-thread block computes a
-// 128 x 64 tile of the output over the whole depth, 8 at a time, with the next
-// depth slice loaded into registers while the tensor cores work on the current
-// one (two shared-memory buffers, one barrier per slice).
+//   rows    m = output positions (n, oh, ow)
+//   columns j = output channels co
+//   depth   k = (ci, kh, kw), the weight's OIHW order
+// Each 128-thread block computes a 128 x 64 tile: 128 output positions, a
+// rectangle of R rows x C columns (C = 32, 64 or 128, R = 128 / C) of one
+// image, for 64 output channels. It walks the input channels in chunks of cc:
+// per chunk it copies the input patch under the rectangle (cc planes of
+// PH x PW, zero where the padding is) and the chunk's weights (64 x cc*kH*kW)
+// into shared memory with plain coalesced loads, then runs the MMAs from
+// there. The A operand needs no per-element index arithmetic: the patch offset
+// of (m, k) is moff(m) + koff(k), moff in registers, koff from a table built
+// once per block. Depth padded up to a multiple of 8 points koff at a plane
+// of zeros (so inf and NaN in x never meet a padding weight).
 //
 // Precision. kPasses = 3 is the 3xTF32 split: every float a is a_big + a_small
 // with a_big = tf32(a) and a_small = tf32(a - a_big), and a * b is summed as
@@ -48,32 +52,31 @@ namespace cupy_act {
 
 struct ConvParams {
   const void* x;       // input, NCHW or NHWC (per kChannelsLast), dense
-  const void* w;       // weight, dense in the same order: (Cout, K) row-major
+  const void* w;       // weight, OIHW, dense
   const void* bias;    // (Cout,) or null
   void* y;             // output, the input's layout
   u32* mask;           // zeroed mask buffer, or null: no mask
-  long long m_total;   // N * OH * OW
-  int cin, h, w_in;    // input channels and size
-  int cout, oh, ow;    // output channels and size
-  int kh, kw;          // filter size
+  int n, cin, h, w_in;         // input
+  int cout, oh, ow;            // output
+  int kh, kw;                  // filter size
   int sh, sw, ph, pw, dh, dw;  // stride, zero padding, dilation
-  int k;               // Cin * KH * KW
-  int pad_;            // (keeps the next fields 8-byte aligned)
-  u64 slope, scale, alpha;  // float bits, as in Params
+  int c_log2;                  // tile columns C = 1 << c_log2, rows 128 >> c_log2
+  int tiles_h, tiles_w;        // tiles per image
+  int cc;                      // input channels per chunk
+  int kc_pad;                  // cc * kh * kw rounded up to a multiple of 8
+  int patch_h, patch_w;        // patch plane: PH x PW, row stride PW
+  int pad_;
+  u64 slope, scale, alpha;     // float bits, as in Params
 };
 
 constexpr int kConvThreads = 128;
-constexpr int kBM = 128;        // output positions per block
-constexpr int kBN = 64;         // output channels per block
-constexpr int kBK = 8;          // depth per slice
-constexpr int kAS = kBM + 8;    // A slice row stride: (t * kAS + g) % 32 distinct
-constexpr int kBS = kBK + 4;    // B slice row stride: (g * kBS + t) % 32 distinct
-constexpr int kAStage = kBK * kAS;
-constexpr int kBStage = kBN * kBS;
-constexpr int kCS = kBM + 4;    // epilogue tile, NCHW: [kBN][kCS]
-constexpr int kCSL = kBN + 4;   // epilogue tile, NHWC: [kBM][kCSL]
-constexpr int kSmemFloats = kBM * kCSL > 2 * (kAStage + kBStage) ? kBM * kCSL
-                                                                  : 2 * (kAStage + kBStage);
+constexpr int kBM = 128;       // output positions per block
+constexpr int kBN = 64;        // output channels per block
+constexpr int kCS = kBM + 4;   // epilogue tile, NCHW: [kBN][kCS]
+constexpr int kCSL = kBN + 4;  // epilogue tile, NHWC: [kBM][kCSL]
+// Dynamic shared memory: max(epilogue tile, table + patch + weights); the host
+// (cupy_act/_conv.py) computes the same sizes.
+constexpr int kEpilogueFloats = kBM * kCSL > kBN * kCS ? kBM * kCSL : kBN * kCS;
 
 __device__ __forceinline__ u32 to_tf32(float x) {
   u32 r;
@@ -151,82 +154,98 @@ struct MaskRuns {
   }
 };
 
+// acc += a * b over one depth step of 8, in kPasses TF32 passes (see the top).
+template <int kPasses>
+__device__ __forceinline__ void mma_step(float (&acc)[4][4][4], u32 (&a)[4][4], u32 (&b)[4][2]) {
+  if (kPasses == 3) {
+    u32 b_lo[4][2];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int q = 0; q < 2; ++q) split_tf32(__uint_as_float(b[j][q]), b[j][q], b_lo[j][q]);
+    // One row tile at a time (fewer live registers): the correction terms
+    // first (the smallest), each with finite operands only, then big * big.
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      u32 a_lo[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) split_tf32(__uint_as_float(a[i][q]), a[i][q], a_lo[q]);
+      const u32 ac[4] = {finite_or_zero(a[i][0]), finite_or_zero(a[i][1]),
+                         finite_or_zero(a[i][2]), finite_or_zero(a[i][3])};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const u32 bc[2] = {finite_or_zero(b[j][0]), finite_or_zero(b[j][1])};
+        mma_tf32(acc[i][j], a_lo, bc);
+        mma_tf32(acc[i][j], ac, b_lo[j]);
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) mma_tf32(acc[i][j], a[i], b[j]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) a[i][q] = to_tf32(__uint_as_float(a[i][q]));
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int q = 0; q < 2; ++q) b[j][q] = to_tf32(__uint_as_float(b[j][q]));
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) mma_tf32(acc[i][j], a[i], b[j]);
+  }
+}
+
 template <typename T, int kPasses, bool kChannelsLast>
-__global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 2 : 4) conv2d_kernel(const ConvParams p) {
+__global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 2 : 4)
+    conv2d_kernel(const ConvParams p) {
   static_assert(kPasses == 1 || kPasses == 3, "one TF32 pass or the 3xTF32 split");
-  __shared__ __align__(16) float smem[kSmemFloats];
+  extern __shared__ __align__(16) float smem[];
   const T* x = static_cast<const T*>(p.x);
   const T* w = static_cast<const T*>(p.w);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const long long tile_m = (long long)blockIdx.x * kBM;
+  const int cols = 1 << p.c_log2;
+
+  // This block's rectangle: image n, output rows oh0.., columns ow0..
+  const int tile = blockIdx.x;
+  const int tw = tile % p.tiles_w;
+  const int th = (tile / p.tiles_w) % p.tiles_h;
+  const int n = tile / (p.tiles_w * p.tiles_h);
+  const int oh0 = th * (kBM >> p.c_log2), ow0 = tw * cols;
   const int tile_n = blockIdx.y * kBN;
-  const int plane = p.oh * p.ow;
+  const int khw = p.kh * p.kw;
+  const int kc = p.cc * khw;
+  const int plane = p.patch_h * p.patch_w;
 
-  // This thread gathers row m = tile_m + tid of A.
-  const long long m_row = tile_m + tid;
-  const bool row_ok = m_row < p.m_total;
-  int ih0 = 0, iw0 = 0;
-  const T* xb = x;
-  {
-    const long long n = row_ok ? m_row / plane : 0;
-    const int pos = row_ok ? (int)(m_row - n * plane) : 0;
-    ih0 = (pos / p.ow) * p.sh - p.ph;
-    iw0 = (pos % p.ow) * p.sw - p.pw;
-    xb = x + n * ((long long)p.cin * p.h * p.w_in);
+  int* koff = reinterpret_cast<int*>(smem);               // [kc_pad]
+  float* patch = smem + p.kc_pad;                         // [cc + 1][PH][PW]
+  float* bs = patch + (p.cc + 1) * plane;                 // [kBN][kc_pad + 4]
+  const int bstride = p.kc_pad + 4;                       // (g * bstride + t) % 32 distinct
+
+  for (int k = tid; k < p.kc_pad; k += kConvThreads) {
+    int off = p.cc * plane;  // padding depth: the zero plane
+    if (k < kc) {
+      const int ci = k / khw, rs = k - ci * khw, r = rs / p.kw, s = rs - r * p.kw;
+      off = ci * plane + r * p.dh * p.patch_w + s * p.dw;
+    }
+    koff[k] = off;
   }
-  // Depth counters of this thread's next slice: (ci, r, s) = channel and filter
-  // tap, advanced one k at a time in the layout's order.
-  int ci = 0, r = 0, s = 0;
-  float a_next[kBK];
-  float b_next[4];
-  const int b_row = tid >> 1, b_col = (tid & 1) * 4;  // this thread's B elements
+  for (int i = tid; i < plane; i += kConvThreads) patch[p.cc * plane + i] = 0.f;
 
-  auto load = [&](int k0) {
-#pragma unroll
-    for (int j = 0; j < kBK; ++j) {
-      const int ih = ih0 + r * p.dh, iw = iw0 + s * p.dw;
-      const bool ok = row_ok && k0 + j < p.k && (unsigned)ih < (unsigned)p.h &&
-                      (unsigned)iw < (unsigned)p.w_in;
-      const int off = kChannelsLast ? (ih * p.w_in + iw) * p.cin + ci
-                                    : (ci * p.h + ih) * p.w_in + iw;
-      a_next[j] = ok ? Num<T>::to_op(xb[off]) : 0.f;
-      if (kChannelsLast) {  // k = (r, s, ci)
-        if (++ci == p.cin) {
-          ci = 0;
-          if (++s == p.kw) {
-            s = 0;
-            ++r;
-          }
-        }
-      } else {  // k = (ci, r, s)
-        if (++s == p.kw) {
-          s = 0;
-          if (++r == p.kh) {
-            r = 0;
-            ++ci;
-          }
-        }
-      }
-    }
-    const int co = tile_n + b_row;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int k = k0 + b_col + j;
-      b_next[j] = co < p.cout && k < p.k ? Num<T>::to_op(w[(long long)co * p.k + k]) : 0.f;
-    }
-  };
-  auto store = [&](int buf) {
-    float* as = smem + buf * (kAStage + kBStage);
-    float* bs = as + kAStage;
-#pragma unroll
-    for (int j = 0; j < kBK; ++j) as[j * kAS + tid] = a_next[j];
-    *reinterpret_cast<float4*>(bs + b_row * kBS + b_col) =
-        make_float4(b_next[0], b_next[1], b_next[2], b_next[3]);
-  };
-
-  // Warps tile the block 2 x 2: rows wm * 64 + [0, 64), columns wn * 32 + [0, 32).
+  // Patch offsets of this thread's eight A rows (4 row tiles x g, g + 8).
   const int wm = warp & 1, wn = warp >> 1;
+  int moff[4][2];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int ml = wm * 64 + i * 16 + g + h * 8;
+      const int row = ml >> p.c_log2, col = ml & (cols - 1);
+      moff[i][h] = row * p.sh * p.patch_w + col * p.sw;
+    }
+
   float acc[4][4][4];
 #pragma unroll
   for (int i = 0; i < 4; ++i)
@@ -235,72 +254,69 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 2 : 4) conv2d_ker
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
 
-  const int slices = (p.k + kBK - 1) / kBK;
-  load(0);
-  store(0);
-  __syncthreads();
-  for (int sl = 0; sl < slices; ++sl) {
-    if (sl + 1 < slices) load((sl + 1) * kBK);  // in flight during the MMAs below
-    const float* as = smem + (sl & 1) * (kAStage + kBStage);
-    const float* bs = as + kAStage;
-    u32 a[4][4], b[4][2];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float* col = as + wm * 64 + i * 16 + g;
-      a[i][0] = __float_as_uint(col[t * kAS]);
-      a[i][1] = __float_as_uint(col[t * kAS + 8]);
-      a[i][2] = __float_as_uint(col[(t + 4) * kAS]);
-      a[i][3] = __float_as_uint(col[(t + 4) * kAS + 8]);
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float* row = bs + (wn * 32 + j * 8 + g) * kBS;
-      b[j][0] = __float_as_uint(row[t]);
-      b[j][1] = __float_as_uint(row[t + 4]);
-    }
-    if (kPasses == 3) {
-      u32 b_lo[4][2];
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int q = 0; q < 2; ++q) split_tf32(__uint_as_float(b[j][q]), b[j][q], b_lo[j][q]);
-      // One row tile at a time (fewer live registers): the correction terms
-      // first (the smallest), each with finite operands only, then big * big.
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        u32 a_lo[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) split_tf32(__uint_as_float(a[i][q]), a[i][q], a_lo[q]);
-        const u32 ac[4] = {finite_or_zero(a[i][0]), finite_or_zero(a[i][1]),
-                           finite_or_zero(a[i][2]), finite_or_zero(a[i][3])};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const u32 bc[2] = {finite_or_zero(b[j][0]), finite_or_zero(b[j][1])};
-          mma_tf32(acc[i][j], a_lo, bc);
-          mma_tf32(acc[i][j], ac, b_lo[j]);
+  const int ih_base = oh0 * p.sh - p.ph, iw_base = ow0 * p.sw - p.pw;
+  const long long k_total = (long long)p.cin * khw;
+  for (int c0 = 0; c0 < p.cin; c0 += p.cc) {
+    if (c0) __syncthreads();  // the previous chunk's MMAs are done with the buffers
+    // The input patch of channels [c0, c0 + cc), zero outside the image.
+    if (kChannelsLast) {
+      for (int pr = warp; pr < p.patch_h; pr += kConvThreads / 32) {
+        const int ih = ih_base + pr;
+        const bool row_ok = (unsigned)ih < (unsigned)p.h;
+        for (int pc = lane; pc < p.patch_w; pc += 32) {
+          const int iw = iw_base + pc;
+          const bool ok = row_ok && (unsigned)iw < (unsigned)p.w_in;
+          const T* src = x + (((long long)n * p.h + ih) * p.w_in + iw) * p.cin + c0;
+          for (int c = 0; c < p.cc; ++c)
+            patch[c * plane + pr * p.patch_w + pc] =
+                ok && c0 + c < p.cin ? Num<T>::to_op(src[c]) : 0.f;
         }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) mma_tf32(acc[i][j], a[i], b[j]);
       }
     } else {
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) a[i][q] = to_tf32(__uint_as_float(a[i][q]));
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int q = 0; q < 2; ++q) b[j][q] = to_tf32(__uint_as_float(b[j][q]));
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) mma_tf32(acc[i][j], a[i], b[j]);
+      for (int item = warp; item < p.cc * p.patch_h; item += kConvThreads / 32) {
+        const int c = item / p.patch_h, pr = item - c * p.patch_h;
+        const int ih = ih_base + pr;
+        const bool row_ok = (unsigned)ih < (unsigned)p.h && c0 + c < p.cin;
+        const T* src = x + (((long long)n * p.cin + c0 + c) * p.h + ih) * p.w_in;
+        float* dst = patch + c * plane + pr * p.patch_w;
+        for (int pc = lane; pc < p.patch_w; pc += 32) {
+          const int iw = iw_base + pc;
+          dst[pc] = row_ok && (unsigned)iw < (unsigned)p.w_in ? Num<T>::to_op(src[iw]) : 0.f;
+        }
+      }
     }
-    if (sl + 1 < slices) store((sl + 1) & 1);
+    // The chunk's weights: rows co, depth [c0 * kh * kw, + kc_pad), zero past K.
+    const long long k_first = (long long)c0 * khw;
+    for (int r = warp; r < kBN; r += kConvThreads / 32) {
+      const int co = tile_n + r;
+      const T* src = w + (long long)co * k_total + k_first;
+      for (int k = lane; k < p.kc_pad; k += 32)
+        bs[r * bstride + k] =
+            co < p.cout && k < kc && k_first + k < k_total ? Num<T>::to_op(src[k]) : 0.f;
+    }
     __syncthreads();
-  }
 
-  // Epilogue: the tile into shared memory (the slices are done with it) ...
+    for (int k0 = 0; k0 < p.kc_pad; k0 += 8) {
+      const int ko0 = koff[k0 + t], ko1 = koff[k0 + t + 4];
+      u32 a[4][4], b[4][2];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        a[i][0] = __float_as_uint(patch[moff[i][0] + ko0]);
+        a[i][1] = __float_as_uint(patch[moff[i][1] + ko0]);
+        a[i][2] = __float_as_uint(patch[moff[i][0] + ko1]);
+        a[i][3] = __float_as_uint(patch[moff[i][1] + ko1]);
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float* row = bs + (wn * 32 + j * 8 + g) * bstride + k0;
+        b[j][0] = __float_as_uint(row[t]);
+        b[j][1] = __float_as_uint(row[t + 4]);
+      }
+      mma_step<kPasses>(acc, a, b);
+    }
+  }
+  __syncthreads();  // done with the patch: the epilogue tile takes its place
+  // Epilogue: the tile into shared memory ...
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -313,8 +329,8 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 2 : 4) conv2d_ker
       }
   __syncthreads();
 
-  // ... then out in warp-wide runs along memory: one channel's positions
-  // (NCHW) or one position's channels (NHWC).
+  // ... then out in warp-wide runs along memory: 32 positions of one channel
+  // (NCHW) or 32 channels of one position (NHWC).
   Params ap;  // the elementwise functor's scalars
   ap.slope = p.slope;
   ap.scale = p.scale;
@@ -322,44 +338,54 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 2 : 4) conv2d_ker
   const typename Num<T>::op_t alpha = scalar_from_bits<typename Num<T>::op_t>(p.alpha);
   const T* bias = static_cast<const T*>(p.bias);
   T* y = static_cast<T*>(p.y);
+  const long long out_plane = (long long)p.oh * p.ow;
   MaskRuns runs;
-  constexpr int kRuns = kChannelsLast ? kBN / 32 : kBM / 32;  // runs per line of the tile
-  constexpr int kLines = kChannelsLast ? kBM : kBN;
-  // NCHW: this lane's positions are the same on every line (channel), so each
-  // run's element is base[u] + co * plane, its image and offset found once.
-  long long base[kRuns];
-  bool m_ok[kRuns];
+  if (!kChannelsLast) {
+    // This lane's positions are the same on every line (channel): element
+    // base[u] + co * OH * OW, found once.
+    long long base[kBM / 32];
+    bool m_ok[kBM / 32];
 #pragma unroll
-  for (int u = 0; u < kRuns; ++u) {
-    const long long m = tile_m + u * 32 + lane;
-    m_ok[u] = m < p.m_total;
-    const long long n = kChannelsLast || !m_ok[u] ? 0 : m / plane;
-    base[u] = n * p.cout * plane + (m - n * plane);
-  }
-  for (int line = warp; line < kLines; line += kConvThreads / 32) {
+    for (int u = 0; u < kBM / 32; ++u) {
+      const int ml = u * 32 + lane;
+      const int oh = oh0 + (ml >> p.c_log2), ow = ow0 + (ml & (cols - 1));
+      m_ok[u] = oh < p.oh && ow < p.ow;
+      base[u] = (long long)n * p.cout * out_plane + (long long)oh * p.ow + ow;
+    }
+    for (int line = warp; line < kBN; line += kConvThreads / 32) {
+      const int co = tile_n + line;
+      if (co >= p.cout) break;  // (warp-uniform)
+      T b = Num<T>::zero();
+      if (bias) b = bias[co];
 #pragma unroll
-    for (int u = 0; u < kRuns; ++u) {
-      const int li = u * 32 + lane;  // index along the line
-      long long e;
-      bool valid;
-      int co;
-      if (kChannelsLast) {
-        const long long m = tile_m + line;
-        co = tile_n + li;
-        valid = m < p.m_total && co < p.cout;
-        e = m * p.cout + co;
-      } else {
-        co = tile_n + line;
-        valid = m_ok[u] && co < p.cout;
-        e = base[u] + (long long)co * plane;
+      for (int u = 0; u < kBM / 32; ++u) {
+        const long long e = base[u] + co * out_plane;
+        bool bit = false;
+        if (m_ok[u]) {
+          T v = Num<T>::from_op(smem[line * kCS + u * 32 + lane]);
+          if (bias) v = add_bias(v, b, alpha);
+          y[e] = op.forward(v, bit);
+        }
+        if (p.mask) runs.put(p.mask, lane, m_ok[u], e, bit);
       }
-      bool bit = false;
-      if (valid) {
-        T v = Num<T>::from_op(smem[kChannelsLast ? line * kCSL + li : line * kCS + li]);
-        if (bias) v = add_bias(v, bias[co], alpha);
-        y[e] = op.forward(v, bit);
+    }
+  } else {
+    for (int line = warp; line < kBM; line += kConvThreads / 32) {
+      const int oh = oh0 + (line >> p.c_log2), ow = ow0 + (line & (cols - 1));
+      if (oh >= p.oh || ow >= p.ow) continue;  // (warp-uniform)
+      const long long row = (((long long)n * p.oh + oh) * p.ow + ow) * p.cout;
+#pragma unroll
+      for (int u = 0; u < kBN / 32; ++u) {
+        const int co = tile_n + u * 32 + lane;
+        const bool valid = co < p.cout;
+        bool bit = false;
+        if (valid) {
+          T v = Num<T>::from_op(smem[line * kCSL + u * 32 + lane]);
+          if (bias) v = add_bias(v, bias[co], alpha);
+          y[row + co] = op.forward(v, bit);
+        }
+        if (p.mask) runs.put(p.mask, lane, valid, row + co, bit);
       }
-      if (p.mask) runs.put(p.mask, lane, valid, e, bit);
     }
   }
   if (p.mask) runs.flush(p.mask, lane);

@@ -114,18 +114,58 @@ def geometry(fname: str, x_shape, w_shape, stride=1, padding=0, dilation=1) -> G
 
 
 def fits(g: Geometry) -> bool:
-    """Whether the kernel's 32-bit per-image offsets hold (else use PyTorch's path)."""
+    """Whether the kernel applies: 32-bit offsets within one image and filter,
+    and a tiling whose shared memory the device allows (else PyTorch's path)."""
     return (
         g.cin * g.h * g.w < _INT32
-        and g.cout * g.oh * g.ow < _INT32
         and g.cout * g.cin * g.kh * g.kw < _INT32
+        and tiling(g) is not None
     )
 
 
-# ConvParams of conv2d.cu: x, w, bias, y, mask; m_total; 16 ints; slope, scale,
-# alpha (float bits in the low half of 8 bytes).
-_PARAMS = struct.Struct("<QQQQQq16if4xf4xf4x")
-assert _PARAMS.size == 136
+class Tiling(NamedTuple):
+    """How one block covers its 128 x 64 output tile (see conv2d.cu)."""
+
+    c_log2: int  # columns C = 2^c_log2 of the output rectangle; rows 128 / C
+    tiles_h: int  # rectangles per image, down and across
+    tiles_w: int
+    cc: int  # input channels per chunk
+    kc_pad: int  # cc * kh * kw rounded up to 8
+    patch_h: int  # input patch rows and columns per channel
+    patch_w: int
+    smem: int  # dynamic shared memory, bytes
+
+
+EPILOGUE_BYTES = 4 * max(TILE_M * (TILE_N + 4), TILE_N * (TILE_M + 4))  # kEpilogueFloats
+SMEM_TARGET = 55 * 1024  # four blocks fit an sm_90 SM's 228 KiB
+SMEM_MAX = 99 * 1024  # the most any sm_80+ device gives one block
+
+
+def tiling(g: Geometry) -> Tiling | None:
+    """The widest rectangle (C = 128, 64 or 32, at least the output width where
+    possible) and the fewest, evenly sized channel chunks whose shared memory
+    stays within SMEM_TARGET (or SMEM_MAX with one channel); None if none fits."""
+    c_log2 = 5 if g.ow <= 32 else 6 if g.ow <= 64 else 7
+    for limit in (SMEM_TARGET, SMEM_MAX):
+        for c in range(c_log2, 4, -1):
+            rows = TILE_M >> c
+            ph = (rows - 1) * g.stride[0] + (g.kh - 1) * g.dilation[0] + 1
+            pw = ((1 << c) - 1) * g.stride[1] + (g.kw - 1) * g.dilation[1] + 1
+            for cc in range(min(g.cin, 64), 0, -1):
+                cc = -(-g.cin // -(-g.cin // cc))  # the same chunk count, evenly split
+                kc_pad = -(-cc * g.kh * g.kw // 8) * 8
+                floats = kc_pad + (cc + 1) * ph * pw + TILE_N * (kc_pad + 4)
+                smem = max(EPILOGUE_BYTES, 4 * floats)
+                if smem <= limit:
+                    tiles = (-(-g.oh // rows), -(-g.ow // (1 << c)))
+                    return Tiling(c, *tiles, cc, kc_pad, ph, pw, smem)
+    return None
+
+
+# ConvParams of conv2d.cu: x, w, bias, y, mask; 23 ints (4 bytes of padding);
+# slope, scale, alpha (float bits in the low half of 8 bytes).
+_PARAMS = struct.Struct("<QQQQQ23i4xf4xf4xf4x")
+assert _PARAMS.size == 160
 _scratch = _launch._Scratch(_PARAMS.size)
 
 
@@ -138,6 +178,7 @@ class ConvKernel(NamedTuple):
 _lock = threading.Lock()
 _modules: dict[str, object] = {}
 _kernels: dict[tuple, ConvKernel] = {}  # (device, dtype, passes, channels_last)
+_smem_set: dict[int, int] = {}  # CUfunction -> dynamic shared memory allowed so far
 
 
 def kernel(device: int, dtype: str, n_passes: int, channels_last: bool) -> ConvKernel:
@@ -168,6 +209,19 @@ def kernel(device: int, dtype: str, n_passes: int, channels_last: bool) -> ConvK
     return _kernels[key]
 
 
+def _allow_smem(k: ConvKernel, nbytes: int) -> None:
+    """Raise the kernel's dynamic shared memory limit to ``nbytes`` (past 48 KiB
+    it must be asked for)."""
+    if _smem_set.get(k.ptr, 48 * 1024) >= nbytes:
+        return
+    import cupy
+
+    driver = cupy.cuda.driver
+    attr = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    driver.funcSetAttribute(k.ptr, attr, nbytes)
+    _smem_set[k.ptr] = nbytes
+
+
 def launch(
     device: int,
     dtype: str,
@@ -186,14 +240,16 @@ def launch(
 ) -> None:
     """y = leaky_relu((conv2d(x, w) + bias) / divisor); the mask too if ``mask``.
 
-    Pointers are raw device addresses of dense arrays in the layout's order
-    (x and y NCHW or NHWC, w OIHW or OHWI); the mask buffer must be zeroed.
+    Pointers are raw device addresses of dense arrays: x and y NCHW or NHWC
+    (``channels_last``), w always OIHW; the mask buffer must be zeroed.
     """
     slope, scale = kernel_scalars("div_leaky_relu", negative_slope, divisor, False, fname)
-    m_total = g.n * g.oh * g.ow
-    if m_total == 0:
+    if g.n * g.oh * g.ow == 0:
         return
+    tl = tiling(g)
+    assert tl is not None, "callers check fits()"
     k = kernel(device, dtype, passes(dtype, precision), channels_last)
+    _allow_smem(k, tl.smem)
     s = _scratch
     _PARAMS.pack_into(
         s.buf,
@@ -203,7 +259,7 @@ def launch(
         bias,
         y,
         mask,
-        m_total,
+        g.n,
         g.cin,
         g.h,
         g.w,
@@ -215,11 +271,17 @@ def launch(
         *g.stride,
         *g.padding,
         *g.dilation,
-        g.cin * g.kh * g.kw,
+        tl.c_log2,
+        tl.tiles_h,
+        tl.tiles_w,
+        tl.cc,
+        tl.kc_pad,
+        tl.patch_h,
+        tl.patch_w,
         0,
         slope,
         scale,
         1.0,
     )
-    grid = (math.ceil(m_total / TILE_M), math.ceil(g.cout / TILE_N))
-    _launch.run(k.ptr, k.ctx, grid, THREADS, stream, s.argv_ptr)
+    grid = (g.n * tl.tiles_h * tl.tiles_w, math.ceil(g.cout / TILE_N))
+    _launch.run(k.ptr, k.ctx, grid, THREADS, stream, s.argv_ptr, tl.smem)

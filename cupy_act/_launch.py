@@ -109,16 +109,19 @@ def launch(
     run(kernel.ptr, kernel.ctx, (blocks, 1), kernel.threads, stream, s.argv_ptr)
 
 
-def run(ptr: int, ctx: int, grid: tuple[int, int], threads: int, stream: int, argv: int) -> None:
+def run(
+    ptr: int, ctx: int, grid: tuple[int, int], threads: int, stream: int, argv: int, smem: int = 0
+) -> None:
     """cuLaunchKernel(ptr) in context ``ctx`` (see the module docstring) with the
-    argument pointer array at address ``argv``."""
+    argument pointer array at address ``argv`` and ``smem`` bytes of dynamic
+    shared memory."""
     current = _ctx_get_current()
     if current == ctx:
-        _launch_kernel(ptr, grid[0], grid[1], 1, threads, 1, 1, 0, stream, argv, 0)
+        _launch_kernel(ptr, grid[0], grid[1], 1, threads, 1, 1, smem, stream, argv, 0)
         return
     _ctx_set_current(ctx)
     try:
-        _launch_kernel(ptr, grid[0], grid[1], 1, threads, 1, 1, 0, stream, argv, 0)
+        _launch_kernel(ptr, grid[0], grid[1], 1, threads, 1, 1, smem, stream, argv, 0)
     finally:
         if current:  # another context was current: give it back
             _ctx_set_current(current)

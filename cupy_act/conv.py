@@ -74,17 +74,19 @@ def conv2d_div_leaky_relu(
     g = _conv.geometry(fname, x.shape, w.shape, stride, padding, dilation)
     check_like(w, "weight", x, fname, shape=w.shape)
     if not _conv.fits(g):
-        raise ValueError(f"{fname}: an image or the filter exceeds 2^31 elements: {g}")
+        raise ValueError(
+            f"{fname}: {g} is beyond the fused kernel (an image or the filter of 2^31 "
+            f"elements or more, or an input patch too large for shared memory)"
+        )
     dev = x.data.device_id
     with cupy.cuda.Device(dev):
         channels_last = _nhwc_dense(x)
-        if channels_last:  # NHWC memory for x, OHWI for the weight
-            w = cupy.ascontiguousarray(w.transpose(0, 2, 3, 1))
+        w = cupy.ascontiguousarray(w)  # OIHW in either layout
+        if channels_last:  # NHWC memory for x and y
             y_mem = cupy.empty((g.n, g.oh, g.ow, g.cout), x.dtype)
             y = y_mem.transpose(0, 3, 1, 2)
         else:
             x = cupy.ascontiguousarray(x)
-            w = cupy.ascontiguousarray(w)
             y = y_mem = cupy.empty(g.out_shape, x.dtype)
         bias_ptr = 0
         if bias is not None:

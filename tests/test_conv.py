@@ -119,6 +119,23 @@ def test_fits_guards_32_bit_offsets():
     assert _conv.fits(_conv.geometry("f", (4, 8, 64, 64), (16, 8, 3, 3)))
 
 
+@pytest.mark.parametrize("xs, ws, stride, padding, dilation", GEOMETRIES)
+def test_tiling_fits_shared_memory(xs, ws, stride, padding, dilation):
+    g = _conv.geometry("f", xs, ws, stride, padding, dilation)
+    t = _conv.tiling(g)
+    assert t is not None and _conv.EPILOGUE_BYTES <= t.smem <= _conv.SMEM_TARGET
+    rows, cols = _conv.TILE_M >> t.c_log2, 1 << t.c_log2
+    assert t.tiles_h * rows >= g.oh and t.tiles_w * cols >= g.ow
+    assert t.kc_pad % 8 == 0 and t.kc_pad >= t.cc * g.kh * g.kw and 1 <= t.cc <= g.cin
+
+
+def test_tiling_splits_channels_evenly_and_refuses_what_cannot_fit():
+    t = _conv.tiling(_conv.geometry("f", (1, 64, 56, 56), (64, 64, 3, 3), 1, 1))
+    assert 64 % t.cc == 0
+    huge = _conv.geometry("f", (1, 1, 4000, 4000), (1, 1, 60, 60), 1, 0, 20)
+    assert _conv.tiling(huge) is None and not _conv.fits(huge)
+
+
 def test_passes():
     assert _conv.passes("float32", "fp32") == 3
     assert _conv.passes("float32", "tf32") == 1
@@ -245,7 +262,7 @@ def bound(x, w, b, stride, padding, dilation, dtype, tf32):
     prod = 2.0**-10 if tf32 else 2.0**-20
     scale = (prod + (k + 2) * 2.0**-24) * mag / abs(DIVISOR)
     ref = block(xd, wd, b.double(), stride, padding, dilation)
-    return ref, scale + 4 * EPS[dtype] * ref.abs() + 1e-30
+    return ref, scale + 4 * EPS[dtype] * (ref.abs() + mag / abs(DIVISOR)) + 1e-30
 
 
 def _layout(t, cl):

@@ -53,7 +53,7 @@ def fused_forward(
     cl = _impl.is_channels_last(x)
     fmt = torch.channels_last if cl else torch.contiguous_format
     x = x.contiguous(memory_format=fmt)
-    w = weight.contiguous(memory_format=fmt)  # OIHW, or OHWI in memory
+    w = weight.contiguous()  # OIHW in either layout
     y = torch.empty(g.out_shape, dtype=x.dtype, device=x.device, memory_format=fmt)
     nbytes = mask_nbytes(y.numel()) if with_mask else 0
     mask = torch.zeros(nbytes, dtype=torch.uint8, device=x.device)
