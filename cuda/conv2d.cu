@@ -51,11 +51,11 @@
 namespace cupy_act {
 
 struct ConvParams {
-  const void* x;       // input, NCHW or NHWC (per kChannelsLast), dense
-  const void* w;       // weight, OIHW, dense
-  const void* bias;    // (Cout,) or null
-  void* y;             // output, the input's layout
-  u32* mask;           // zeroed mask buffer, or null: no mask
+  const void* x;               // input, NCHW or NHWC (per kChannelsLast), dense
+  const void* w;               // weight, OIHW, dense
+  const void* bias;            // (Cout,) or null
+  void* y;                     // output, the input's layout
+  u32* mask;                   // zeroed mask buffer, or null: no mask
   int n, cin, h, w_in;         // input
   int cout, oh, ow;            // output
   int kh, kw;                  // filter size
@@ -66,7 +66,7 @@ struct ConvParams {
   int kc_pad;                  // cc * kh * kw rounded up to a multiple of 8
   int patch_h, patch_w;        // patch plane: PH x PW, row stride PW
   int pad_;
-  u64 slope, scale, alpha;     // float bits, as in Params
+  u64 slope, scale, alpha;  // float bits, as in Params
 };
 
 constexpr int kConvThreads = 128;
@@ -76,7 +76,7 @@ constexpr int kCS = kBM + 4;   // epilogue tile, NCHW: [kBN][kCS]
 constexpr int kCSL = kBN + 4;  // epilogue tile, NHWC: [kBM][kCSL]
 // Dynamic shared memory: max(epilogue tile, table + patch + weights); the host
 // (cupy_act/_conv.py) computes the same sizes.
-constexpr int kEpilogueFloats = kBM * kCSL > kBN * kCS ? kBM * kCSL : kBN * kCS;
+constexpr int kEpilogueFloats = kBM * kCSL > kBN* kCS ? kBM * kCSL : kBN * kCS;
 
 __device__ __forceinline__ u32 to_tf32(float x) {
   u32 r;
@@ -170,8 +170,8 @@ __device__ __forceinline__ void mma_step(float (&acc)[4][4][4], u32 (&a)[4][4], 
       u32 a_lo[4];
 #pragma unroll
       for (int q = 0; q < 4; ++q) split_tf32(__uint_as_float(a[i][q]), a[i][q], a_lo[q]);
-      const u32 ac[4] = {finite_or_zero(a[i][0]), finite_or_zero(a[i][1]),
-                         finite_or_zero(a[i][2]), finite_or_zero(a[i][3])};
+      const u32 ac[4] = {finite_or_zero(a[i][0]), finite_or_zero(a[i][1]), finite_or_zero(a[i][2]),
+                         finite_or_zero(a[i][3])};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const u32 bc[2] = {finite_or_zero(b[j][0]), finite_or_zero(b[j][1])};
@@ -197,6 +197,27 @@ __device__ __forceinline__ void mma_step(float (&acc)[4][4][4], u32 (&a)[4][4], 
   }
 }
 
+// Global -> shared copies with 8 loads in flight per thread: warp w takes the
+// warp-wide items w, w + 4, ...; item(it, v) sets v and returns the shared
+// index for this lane (or -1: nothing to store). All loads of a batch are
+// issued before any store waits for them.
+template <typename Item>
+__device__ __forceinline__ void copy_batched(int items, int warp, float* dst, Item item) {
+  constexpr int kWarps = kConvThreads / 32, kInFlight = 8;
+  for (int first = warp; first < items; first += kWarps * kInFlight) {
+    float v[kInFlight];
+    int at[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int it = first + u * kWarps;
+      at[u] = it < items ? item(it, v[u]) : -1;
+    }
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u)
+      if (at[u] >= 0) dst[at[u]] = v[u];
+  }
+}
+
 template <typename T, int kPasses, bool kChannelsLast>
 __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 2 : 4)
     conv2d_kernel(const ConvParams p) {
@@ -219,10 +240,10 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 2 : 4)
   const int kc = p.cc * khw;
   const int plane = p.patch_h * p.patch_w;
 
-  int* koff = reinterpret_cast<int*>(smem);               // [kc_pad]
-  float* patch = smem + p.kc_pad;                         // [cc + 1][PH][PW]
-  float* bs = patch + (p.cc + 1) * plane;                 // [kBN][kc_pad + 4]
-  const int bstride = p.kc_pad + 4;                       // (g * bstride + t) % 32 distinct
+  int* koff = reinterpret_cast<int*>(smem);  // [kc_pad]
+  float* patch = smem + p.kc_pad;            // [cc + 1][PH][PW]
+  float* bs = patch + (p.cc + 1) * plane;    // [kBN][kc_pad + 4]
+  const int bstride = p.kc_pad + 4;          // (g * bstride + t) % 32 distinct
 
   for (int k = tid; k < p.kc_pad; k += kConvThreads) {
     int off = p.cc * plane;  // padding depth: the zero plane
@@ -258,42 +279,46 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 2 : 4)
   const long long k_total = (long long)p.cin * khw;
   for (int c0 = 0; c0 < p.cin; c0 += p.cc) {
     if (c0) __syncthreads();  // the previous chunk's MMAs are done with the buffers
-    // The input patch of channels [c0, c0 + cc), zero outside the image.
-    if (kChannelsLast) {
-      for (int pr = warp; pr < p.patch_h; pr += kConvThreads / 32) {
-        const int ih = ih_base + pr;
-        const bool row_ok = (unsigned)ih < (unsigned)p.h;
-        for (int pc = lane; pc < p.patch_w; pc += 32) {
-          const int iw = iw_base + pc;
-          const bool ok = row_ok && (unsigned)iw < (unsigned)p.w_in;
-          const T* src = x + (((long long)n * p.h + ih) * p.w_in + iw) * p.cin + c0;
-          for (int c = 0; c < p.cc; ++c)
-            patch[c * plane + pr * p.patch_w + pc] =
-                ok && c0 + c < p.cin ? Num<T>::to_op(src[c]) : 0.f;
-        }
+    // The input patch of channels [c0, c0 + cc), zero outside the image: one
+    // warp-wide item is 32 consecutive patch columns of one (channel, row),
+    // taken channel-fastest for NHWC (so a batch reads whole sectors), else
+    // column-fastest.
+    const int segs = (p.patch_w + 31) >> 5;
+    copy_batched(p.cc * p.patch_h * segs, warp, patch, [&](int it, float& v) {
+      int c, pr, seg;
+      if (kChannelsLast) {
+        const int q = it / p.cc;
+        c = it - q * p.cc;
+        pr = q / segs;
+        seg = q - pr * segs;
+      } else {
+        const int row = it / segs;
+        seg = it - row * segs;
+        c = row / p.patch_h;
+        pr = row - c * p.patch_h;
       }
-    } else {
-      for (int item = warp; item < p.cc * p.patch_h; item += kConvThreads / 32) {
-        const int c = item / p.patch_h, pr = item - c * p.patch_h;
-        const int ih = ih_base + pr;
-        const bool row_ok = (unsigned)ih < (unsigned)p.h && c0 + c < p.cin;
-        const T* src = x + (((long long)n * p.cin + c0 + c) * p.h + ih) * p.w_in;
-        float* dst = patch + c * plane + pr * p.patch_w;
-        for (int pc = lane; pc < p.patch_w; pc += 32) {
-          const int iw = iw_base + pc;
-          dst[pc] = row_ok && (unsigned)iw < (unsigned)p.w_in ? Num<T>::to_op(src[iw]) : 0.f;
-        }
+      const int pc = seg * 32 + lane, ih = ih_base + pr, iw = iw_base + pc;
+      if (pc >= p.patch_w) return -1;
+      v = 0.f;
+      if (c0 + c < p.cin && (unsigned)ih < (unsigned)p.h && (unsigned)iw < (unsigned)p.w_in) {
+        const long long at = kChannelsLast
+                                 ? (((long long)n * p.h + ih) * p.w_in + iw) * p.cin + c0 + c
+                                 : (((long long)n * p.cin + c0 + c) * p.h + ih) * p.w_in + iw;
+        v = Num<T>::to_op(x[at]);
       }
-    }
+      return (c * p.patch_h + pr) * p.patch_w + pc;
+    });
     // The chunk's weights: rows co, depth [c0 * kh * kw, + kc_pad), zero past K.
     const long long k_first = (long long)c0 * khw;
-    for (int r = warp; r < kBN; r += kConvThreads / 32) {
-      const int co = tile_n + r;
-      const T* src = w + (long long)co * k_total + k_first;
-      for (int k = lane; k < p.kc_pad; k += 32)
-        bs[r * bstride + k] =
-            co < p.cout && k < kc && k_first + k < k_total ? Num<T>::to_op(src[k]) : 0.f;
-    }
+    const int ksegs = (p.kc_pad + 31) >> 5;
+    copy_batched(kBN * ksegs, warp, bs, [&](int it, float& v) {
+      const int r = it / ksegs, k = (it - r * ksegs) * 32 + lane, co = tile_n + r;
+      if (k >= p.kc_pad) return -1;
+      v = co < p.cout && k < kc && k_first + k < k_total
+              ? Num<T>::to_op(w[(long long)co * k_total + k_first + k])
+              : 0.f;
+      return r * bstride + k;
+    });
     __syncthreads();
 
     for (int k0 = 0; k0 < p.kc_pad; k0 += 8) {
