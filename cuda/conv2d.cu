@@ -119,14 +119,15 @@ struct MaskRuns {
     if (pend >= 0 && lane == 0) atomicOr(mask + pend, high);
     pend = -1;
   }
-  // e: this lane's element (valid lanes), bit: its mask bit.
-  __device__ __forceinline__ void put(u32* mask, int lane, bool valid, long long e, bool bit) {
-    const long long e0 = __shfl_sync(0xffffffffu, e, 0);
-    const bool clean = __all_sync(0xffffffffu, valid && e == e0 + lane);
+  // A run of lanes 0..31 at elements e0 + lane; clean: every lane valid
+  // (warp-uniform). valid, bit: this lane's.
+  __device__ __forceinline__ void put(u32* mask, int lane, long long e0, bool clean, bool valid,
+                                      bool bit) {
     const u32 bits = __ballot_sync(0xffffffffu, valid && bit);
     if (!clean) {
       flush(mask, lane);
       next = -1;
+      const long long e = e0 + lane;
       if (valid && bit) atomicOr(mask + (e >> 5), 1u << (e & 31));
       return;
     }
@@ -197,20 +198,41 @@ __device__ __forceinline__ void mma_step(float (&acc)[4][4][4], u32 (&a)[4][4], 
   }
 }
 
-// Global -> shared copies with 8 loads in flight per thread: warp w takes the
-// warp-wide items w, w + 4, ...; item(it, v) sets v and returns the shared
-// index for this lane (or -1: nothing to store). All loads of a batch are
-// issued before any store waits for them.
+// A warp's walk over warp-wide copy items (hi, mid, lo), lo fastest, in steps
+// of the warp count: counters instead of divisions per item.
+struct Walk {
+  int hi, mid, lo, n_mid, n_lo;
+  __device__ __forceinline__ Walk(int start, int n_mid_, int n_lo_) : n_mid(n_mid_), n_lo(n_lo_) {
+    lo = start % n_lo;
+    const int q = start / n_lo;
+    mid = q % n_mid;
+    hi = q / n_mid;
+  }
+  __device__ __forceinline__ void step(int k) {
+    lo += k;
+    while (lo >= n_lo) {
+      lo -= n_lo;
+      if (++mid == n_mid) {
+        mid = 0;
+        ++hi;
+      }
+    }
+  }
+};
+
+// Global -> shared copy of the items (hi < n_hi) of a Walk, 8 loads in flight
+// per thread: item(walk, v) sets v and returns this lane's shared index (or
+// -1: nothing to store). All loads of a batch issue before any store waits.
 template <typename Item>
-__device__ __forceinline__ void copy_batched(int items, int warp, float* dst, Item item) {
+__device__ __forceinline__ void copy_batched(Walk wk, int n_hi, float* dst, Item item) {
   constexpr int kWarps = kConvThreads / 32, kInFlight = 8;
-  for (int first = warp; first < items; first += kWarps * kInFlight) {
+  while (wk.hi < n_hi) {
     float v[kInFlight];
     int at[kInFlight];
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
-      const int it = first + u * kWarps;
-      at[u] = it < items ? item(it, v[u]) : -1;
+      at[u] = wk.hi < n_hi ? item(wk, v[u]) : -1;
+      wk.step(kWarps);
     }
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u)
@@ -228,32 +250,29 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 2 : 4)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int cols = 1 << p.c_log2;
-
-  // This block's rectangle: image n, output rows oh0.., columns ow0..
-  const int tile = blockIdx.x;
-  const int tw = tile % p.tiles_w;
-  const int th = (tile / p.tiles_w) % p.tiles_h;
-  const int n = tile / (p.tiles_w * p.tiles_h);
-  const int oh0 = th * (kBM >> p.c_log2), ow0 = tw * cols;
   const int tile_n = blockIdx.y * kBN;
   const int khw = p.kh * p.kw;
   const int kc = p.cc * khw;
   const int plane = p.patch_h * p.patch_w;
+  const long long k_total = (long long)p.cin * khw;
+  const bool one_chunk = p.cin <= p.cc;  // the weights stay for every tile
 
-  int* koff = reinterpret_cast<int*>(smem);  // [kc_pad]
-  float* patch = smem + p.kc_pad;            // [cc + 1][PH][PW]
-  float* bs = patch + (p.cc + 1) * plane;    // [kBN][kc_pad + 4]
-  const int bstride = p.kc_pad + 4;          // (g * bstride + t) % 32 distinct
+  // Shared memory: koff [kc_pad] | patch [cc + 1][PH][PW], whose space the
+  // epilogue tile reuses | weights [kBN][kc_pad + 4] (see _conv.tiling).
+  int* koff = reinterpret_cast<int*>(smem);
+  float* patch = smem + p.kc_pad;
+  const int patch_floats = (p.cc + 1) * plane;
+  float* bs = patch + (patch_floats > kEpilogueFloats ? patch_floats : kEpilogueFloats);
+  const int bstride = p.kc_pad + 4;  // (g * bstride + t) % 32 distinct
 
   for (int k = tid; k < p.kc_pad; k += kConvThreads) {
-    int off = p.cc * plane;  // padding depth: the zero plane
+    int off = p.cc * plane;  // depth padding: the zero plane
     if (k < kc) {
       const int ci = k / khw, rs = k - ci * khw, r = rs / p.kw, s = rs - r * p.kw;
       off = ci * plane + r * p.dh * p.patch_w + s * p.dw;
     }
     koff[k] = off;
   }
-  for (int i = tid; i < plane; i += kConvThreads) patch[p.cc * plane + i] = 0.f;
 
   // Patch offsets of this thread's eight A rows (4 row tiles x g, g + 8).
   const int wm = warp & 1, wn = warp >> 1;
@@ -263,99 +282,9 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 2 : 4)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int ml = wm * 64 + i * 16 + g + h * 8;
-      const int row = ml >> p.c_log2, col = ml & (cols - 1);
-      moff[i][h] = row * p.sh * p.patch_w + col * p.sw;
+      moff[i][h] = (ml >> p.c_log2) * p.sh * p.patch_w + (ml & (cols - 1)) * p.sw;
     }
 
-  float acc[4][4][4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
-
-  const int ih_base = oh0 * p.sh - p.ph, iw_base = ow0 * p.sw - p.pw;
-  const long long k_total = (long long)p.cin * khw;
-  for (int c0 = 0; c0 < p.cin; c0 += p.cc) {
-    if (c0) __syncthreads();  // the previous chunk's MMAs are done with the buffers
-    // The input patch of channels [c0, c0 + cc), zero outside the image: one
-    // warp-wide item is 32 consecutive patch columns of one (channel, row),
-    // taken channel-fastest for NHWC (so a batch reads whole sectors), else
-    // column-fastest.
-    const int segs = (p.patch_w + 31) >> 5;
-    copy_batched(p.cc * p.patch_h * segs, warp, patch, [&](int it, float& v) {
-      int c, pr, seg;
-      if (kChannelsLast) {
-        const int q = it / p.cc;
-        c = it - q * p.cc;
-        pr = q / segs;
-        seg = q - pr * segs;
-      } else {
-        const int row = it / segs;
-        seg = it - row * segs;
-        c = row / p.patch_h;
-        pr = row - c * p.patch_h;
-      }
-      const int pc = seg * 32 + lane, ih = ih_base + pr, iw = iw_base + pc;
-      if (pc >= p.patch_w) return -1;
-      v = 0.f;
-      if (c0 + c < p.cin && (unsigned)ih < (unsigned)p.h && (unsigned)iw < (unsigned)p.w_in) {
-        const long long at = kChannelsLast
-                                 ? (((long long)n * p.h + ih) * p.w_in + iw) * p.cin + c0 + c
-                                 : (((long long)n * p.cin + c0 + c) * p.h + ih) * p.w_in + iw;
-        v = Num<T>::to_op(x[at]);
-      }
-      return (c * p.patch_h + pr) * p.patch_w + pc;
-    });
-    // The chunk's weights: rows co, depth [c0 * kh * kw, + kc_pad), zero past K.
-    const long long k_first = (long long)c0 * khw;
-    const int ksegs = (p.kc_pad + 31) >> 5;
-    copy_batched(kBN * ksegs, warp, bs, [&](int it, float& v) {
-      const int r = it / ksegs, k = (it - r * ksegs) * 32 + lane, co = tile_n + r;
-      if (k >= p.kc_pad) return -1;
-      v = co < p.cout && k < kc && k_first + k < k_total
-              ? Num<T>::to_op(w[(long long)co * k_total + k_first + k])
-              : 0.f;
-      return r * bstride + k;
-    });
-    __syncthreads();
-
-    for (int k0 = 0; k0 < p.kc_pad; k0 += 8) {
-      const int ko0 = koff[k0 + t], ko1 = koff[k0 + t + 4];
-      u32 a[4][4], b[4][2];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        a[i][0] = __float_as_uint(patch[moff[i][0] + ko0]);
-        a[i][1] = __float_as_uint(patch[moff[i][1] + ko0]);
-        a[i][2] = __float_as_uint(patch[moff[i][0] + ko1]);
-        a[i][3] = __float_as_uint(patch[moff[i][1] + ko1]);
-      }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float* row = bs + (wn * 32 + j * 8 + g) * bstride + k0;
-        b[j][0] = __float_as_uint(row[t]);
-        b[j][1] = __float_as_uint(row[t + 4]);
-      }
-      mma_step<kPasses>(acc, a, b);
-    }
-  }
-  __syncthreads();  // done with the patch: the epilogue tile takes its place
-  // Epilogue: the tile into shared memory ...
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int ml = wm * 64 + i * 16 + g + (q >> 1) * 8;
-        const int nl = wn * 32 + j * 8 + 2 * t + (q & 1);
-        smem[kChannelsLast ? ml * kCSL + nl : nl * kCS + ml] = acc[i][j][q];
-      }
-  __syncthreads();
-
-  // ... then out in warp-wide runs along memory: 32 positions of one channel
-  // (NCHW) or 32 channels of one position (NHWC).
   Params ap;  // the elementwise functor's scalars
   ap.slope = p.slope;
   ap.scale = p.scale;
@@ -364,56 +293,159 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 2 : 4)
   const T* bias = static_cast<const T*>(p.bias);
   T* y = static_cast<T*>(p.y);
   const long long out_plane = (long long)p.oh * p.ow;
-  MaskRuns runs;
-  if (!kChannelsLast) {
-    // This lane's positions are the same on every line (channel): element
-    // base[u] + co * OH * OW, found once.
-    long long base[kBM / 32];
-    bool m_ok[kBM / 32];
+  const int segs = (p.patch_w + 31) >> 5, ksegs = (p.kc_pad + 31) >> 5;
+  const int tiles = p.n * p.tiles_h * p.tiles_w;
+
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    // This tile's rectangle: image n, output rows oh0.., columns ow0..
+    const int tw = tile % p.tiles_w;
+    const int th = (tile / p.tiles_w) % p.tiles_h;
+    const int n = tile / (p.tiles_w * p.tiles_h);
+    const int oh0 = th * (kBM >> p.c_log2), ow0 = tw * cols;
+    const int ih_base = oh0 * p.sh - p.ph, iw_base = ow0 * p.sw - p.pw;
+
+    float acc[4][4][4];
 #pragma unroll
-    for (int u = 0; u < kBM / 32; ++u) {
-      const int ml = u * 32 + lane;
-      const int oh = oh0 + (ml >> p.c_log2), ow = ow0 + (ml & (cols - 1));
-      m_ok[u] = oh < p.oh && ow < p.ow;
-      base[u] = (long long)n * p.cout * out_plane + (long long)oh * p.ow + ow;
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
+
+    for (int c0 = 0; c0 < p.cin; c0 += p.cc) {
+      __syncthreads();  // the previous MMAs and epilogue are done with shared memory
+      if (c0 == 0)
+        for (int i = tid; i < plane; i += kConvThreads) patch[p.cc * plane + i] = 0.f;
+      // The input patch of channels [c0, c0 + cc), zero outside the image: one
+      // warp-wide item is 32 consecutive patch columns of one (channel, row),
+      // channel-fastest for NHWC (a batch reads whole sectors), else
+      // column-fastest.
+      auto patch_item = [&](const Walk& wk, float& v, int c, int pr, int seg) {
+        const int pc = seg * 32 + lane, ih = ih_base + pr, iw = iw_base + pc;
+        if (pc >= p.patch_w) return -1;
+        v = 0.f;
+        if (c0 + c < p.cin && (unsigned)ih < (unsigned)p.h && (unsigned)iw < (unsigned)p.w_in) {
+          const long long at = kChannelsLast
+                                   ? (((long long)n * p.h + ih) * p.w_in + iw) * p.cin + c0 + c
+                                   : (((long long)n * p.cin + c0 + c) * p.h + ih) * p.w_in + iw;
+          v = Num<T>::to_op(x[at]);
+        }
+        return (c * p.patch_h + pr) * p.patch_w + pc;
+      };
+      if (kChannelsLast)
+        copy_batched(Walk(warp, segs, p.cc), p.patch_h, patch, [&](const Walk& wk, float& v) {
+          return patch_item(wk, v, wk.lo, wk.hi, wk.mid);
+        });
+      else
+        copy_batched(Walk(warp, p.patch_h, segs), p.cc, patch, [&](const Walk& wk, float& v) {
+          return patch_item(wk, v, wk.hi, wk.mid, wk.lo);
+        });
+      // The chunk's weights: rows co, depth [c0 * kh * kw, + kc_pad), zero past K.
+      if (!one_chunk || tile == (int)blockIdx.x) {
+        const long long k_first = (long long)c0 * khw;
+        copy_batched(Walk(warp, kBN, ksegs), 1, bs, [&](const Walk& wk, float& v) {
+          const int k = wk.lo * 32 + lane, co = tile_n + wk.mid;
+          if (k >= p.kc_pad) return -1;
+          v = co < p.cout && k < kc && k_first + k < k_total
+                  ? Num<T>::to_op(w[(long long)co * k_total + k_first + k])
+                  : 0.f;
+          return wk.mid * bstride + k;
+        });
+      }
+      __syncthreads();
+
+      for (int k0 = 0; k0 < p.kc_pad; k0 += 8) {
+        const int ko0 = koff[k0 + t], ko1 = koff[k0 + t + 4];
+        u32 a[4][4], b[4][2];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          a[i][0] = __float_as_uint(patch[moff[i][0] + ko0]);
+          a[i][1] = __float_as_uint(patch[moff[i][1] + ko0]);
+          a[i][2] = __float_as_uint(patch[moff[i][0] + ko1]);
+          a[i][3] = __float_as_uint(patch[moff[i][1] + ko1]);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float* row = bs + (wn * 32 + j * 8 + g) * bstride + k0;
+          b[j][0] = __float_as_uint(row[t]);
+          b[j][1] = __float_as_uint(row[t + 4]);
+        }
+        mma_step<kPasses>(acc, a, b);
+      }
     }
-    for (int line = warp; line < kBN; line += kConvThreads / 32) {
-      const int co = tile_n + line;
-      if (co >= p.cout) break;  // (warp-uniform)
-      T b = Num<T>::zero();
-      if (bias) b = bias[co];
+    __syncthreads();  // done with the patch: the epilogue tile takes its place
+
+    // Epilogue: the tile into shared memory ...
+    float* ct = patch;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int ml = wm * 64 + i * 16 + g + (q >> 1) * 8;
+          const int nl = wn * 32 + j * 8 + 2 * t + (q & 1);
+          ct[kChannelsLast ? ml * kCSL + nl : nl * kCS + ml] = acc[i][j][q];
+        }
+    __syncthreads();
+
+    // ... then out in warp-wide runs along memory: 32 positions of one output
+    // row and channel (NCHW; C >= 32, so a run never leaves its row) or 32
+    // channels of one position (NHWC). e0 and clean (all 32 lanes valid, so
+    // the run's elements are e0 .. e0 + 31) are the same for every lane.
+    MaskRuns runs;
+    if (!kChannelsLast) {
+      long long e0[kBM / 32];
+      int ow_first[kBM / 32];
+      bool row_ok[kBM / 32];
 #pragma unroll
       for (int u = 0; u < kBM / 32; ++u) {
-        const long long e = base[u] + co * out_plane;
-        bool bit = false;
-        if (m_ok[u]) {
-          T v = Num<T>::from_op(smem[line * kCS + u * 32 + lane]);
-          if (bias) v = add_bias(v, b, alpha);
-          y[e] = op.forward(v, bit);
-        }
-        if (p.mask) runs.put(p.mask, lane, m_ok[u], e, bit);
+        const int oh = oh0 + ((u * 32) >> p.c_log2);
+        ow_first[u] = ow0 + ((u * 32) & (cols - 1));
+        row_ok[u] = oh < p.oh;
+        e0[u] = (long long)n * p.cout * out_plane + (long long)oh * p.ow + ow_first[u];
       }
-    }
-  } else {
-    for (int line = warp; line < kBM; line += kConvThreads / 32) {
-      const int oh = oh0 + (line >> p.c_log2), ow = ow0 + (line & (cols - 1));
-      if (oh >= p.oh || ow >= p.ow) continue;  // (warp-uniform)
-      const long long row = (((long long)n * p.oh + oh) * p.ow + ow) * p.cout;
+      for (int line = warp; line < kBN; line += kConvThreads / 32) {
+        const int co = tile_n + line;
+        if (co >= p.cout) break;  // (warp-uniform)
+        T b = Num<T>::zero();
+        if (bias) b = bias[co];
 #pragma unroll
-      for (int u = 0; u < kBN / 32; ++u) {
-        const int co = tile_n + u * 32 + lane;
-        const bool valid = co < p.cout;
-        bool bit = false;
-        if (valid) {
-          T v = Num<T>::from_op(smem[line * kCSL + u * 32 + lane]);
-          if (bias) v = add_bias(v, bias[co], alpha);
-          y[row + co] = op.forward(v, bit);
+        for (int u = 0; u < kBM / 32; ++u) {
+          const long long e = e0[u] + co * out_plane;
+          const bool valid = row_ok[u] && ow_first[u] + lane < p.ow;
+          bool bit = false;
+          if (valid) {
+            T v = Num<T>::from_op(ct[line * kCS + u * 32 + lane]);
+            if (bias) v = add_bias(v, b, alpha);
+            y[e + lane] = op.forward(v, bit);
+          }
+          if (p.mask) runs.put(p.mask, lane, e, row_ok[u] && ow_first[u] + 31 < p.ow, valid, bit);
         }
-        if (p.mask) runs.put(p.mask, lane, valid, row + co, bit);
+      }
+    } else {
+      for (int line = warp; line < kBM; line += kConvThreads / 32) {
+        const int oh = oh0 + (line >> p.c_log2), ow = ow0 + (line & (cols - 1));
+        if (oh >= p.oh || ow >= p.ow) continue;  // (warp-uniform)
+        const long long row = (((long long)n * p.oh + oh) * p.ow + ow) * p.cout;
+#pragma unroll
+        for (int u = 0; u < kBN / 32; ++u) {
+          const int co = tile_n + u * 32 + lane;
+          const bool valid = co < p.cout;
+          bool bit = false;
+          if (valid) {
+            T v = Num<T>::from_op(ct[line * kCSL + u * 32 + lane]);
+            if (bias) v = add_bias(v, bias[co], alpha);
+            y[row + co] = op.forward(v, bit);
+          }
+          if (p.mask)
+            runs.put(p.mask, lane, row + tile_n + u * 32, tile_n + u * 32 + 31 < p.cout, valid,
+                     bit);
+        }
       }
     }
+    if (p.mask) runs.flush(p.mask, lane);
   }
-  if (p.mask) runs.flush(p.mask, lane);
 }
 
 }  // namespace cupy_act

@@ -136,7 +136,8 @@ class Tiling(NamedTuple):
     smem: int  # dynamic shared memory, bytes
 
 
-EPILOGUE_BYTES = 4 * max(TILE_M * (TILE_N + 4), TILE_N * (TILE_M + 4))  # kEpilogueFloats
+EPILOGUE_FLOATS = max(TILE_M * (TILE_N + 4), TILE_N * (TILE_M + 4))  # kEpilogueFloats
+EPILOGUE_BYTES = 4 * EPILOGUE_FLOATS
 SMEM_TARGET = 55 * 1024  # four blocks fit an sm_90 SM's 228 KiB
 SMEM_MAX = 99 * 1024  # the most any sm_80+ device gives one block
 
@@ -154,8 +155,9 @@ def tiling(g: Geometry) -> Tiling | None:
             for cc in range(min(g.cin, 64), 0, -1):
                 cc = -(-g.cin // -(-g.cin // cc))  # the same chunk count, evenly split
                 kc_pad = -(-cc * g.kh * g.kw // 8) * 8
-                floats = kc_pad + (cc + 1) * ph * pw + TILE_N * (kc_pad + 4)
-                smem = max(EPILOGUE_BYTES, 4 * floats)
+                # koff table | patch, or the epilogue tile in its place | weights
+                patch = max((cc + 1) * ph * pw, EPILOGUE_FLOATS)
+                smem = 4 * (kc_pad + patch + TILE_N * (kc_pad + 4))
                 if smem <= limit:
                     tiles = (-(-g.oh // rows), -(-g.ow // (1 << c)))
                     return Tiling(c, *tiles, cc, kc_pad, ph, pw, smem)
@@ -179,6 +181,7 @@ _lock = threading.Lock()
 _modules: dict[str, object] = {}
 _kernels: dict[tuple, ConvKernel] = {}  # (device, dtype, passes, channels_last)
 _smem_set: dict[int, int] = {}  # CUfunction -> dynamic shared memory allowed so far
+_resident: dict[tuple, int] = {}  # (device, CUfunction, smem) -> blocks the device holds at once
 
 
 def kernel(device: int, dtype: str, n_passes: int, channels_last: bool) -> ConvKernel:
@@ -207,6 +210,20 @@ def kernel(device: int, dtype: str, n_passes: int, channels_last: bool) -> ConvK
             for k2, f in zip(keys, functions):
                 _kernels[(device, *k2)] = ConvKernel(f.kernel.ptr, ctx, f.kernel)
     return _kernels[key]
+
+
+def _blocks(device: int, k: ConvKernel, smem: int) -> int:
+    """Blocks of ``k`` resident at once on the device: the persistent grid."""
+    key = (device, k.ptr, smem)
+    n = _resident.get(key)
+    if n is None:
+        import cupy
+
+        driver = cupy.cuda.driver
+        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(k.ptr, THREADS, smem)
+        sms = cupy.cuda.Device(device).attributes["MultiProcessorCount"]
+        n = _resident[key] = max(1, per_sm) * sms
+    return n
 
 
 def _allow_smem(k: ConvKernel, nbytes: int) -> None:
@@ -283,5 +300,9 @@ def launch(
         scale,
         1.0,
     )
-    grid = (g.n * tl.tiles_h * tl.tiles_w, math.ceil(g.cout / TILE_N))
+    # A persistent grid: each block walks tiles blockIdx.x, + gridDim.x, ...
+    # keeping its weights in shared memory when one chunk holds every channel.
+    n_tiles = g.n * tl.tiles_h * tl.tiles_w
+    col_tiles = math.ceil(g.cout / TILE_N)
+    grid = (min(n_tiles, max(1, _blocks(device, k, tl.smem) // col_tiles)), col_tiles)
     _launch.run(k.ptr, k.ctx, grid, THREADS, stream, s.argv_ptr, tl.smem)
