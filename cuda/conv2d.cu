@@ -86,16 +86,26 @@ __device__ __forceinline__ u32 to_tf32(float x) {
 
 __device__ __forceinline__ bool finite_bits(u32 b) { return (b & 0x7f800000u) != 0x7f800000u; }
 
-// x = big + small (see the top); small is 0 where big is not finite.
-__device__ __forceinline__ void split_tf32(float x, u32& big, u32& small) {
+// The operands of x in kPasses passes, as stored in shared memory. One pass:
+// tf32(x). Three: big = tf32(x), small = tf32(x - big); a non-finite x (or one
+// whose big rounds to inf) is stored as big = 0, small = x, so that of the
+// three products only small_a * big_b or big_a * small_b carries it, against
+// the other operand's finite part, and no padding or correction term turns
+// it into NaN (inf * 0) where the FP32 sum would not. (Both operands
+// non-finite in one product gives NaN where the sum may give inf.)
+template <int kPasses>
+__device__ __forceinline__ void split(float x, u32& big, u32& small) {
   big = to_tf32(x);
+  if (kPasses == 1) return;
+  if (!finite_bits(big)) {
+    small = big;
+    big = 0u;
+    return;
+  }
   float r;
   asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(__uint_as_float(big)));
-  small = finite_bits(big) ? to_tf32(r) : 0u;
+  small = to_tf32(r);
 }
-
-// big, or 0 where it is not finite: the operand of a correction term.
-__device__ __forceinline__ u32 finite_or_zero(u32 big) { return finite_bits(big) ? big : 0u; }
 
 // d += a * b, one 16x8x8 TF32 tile. Fragments (g = lane / 4, t = lane % 4):
 // a = A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4]; b = B[t][g], B[t+4][g];
@@ -108,94 +118,71 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const u32 (&a)[4], const
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Mask words from warp-wide runs of 32 consecutive elements (see the top).
-// Every call is warp-uniform; lane 0 does the word writes.
+// Mask words from warp-wide runs of up to 32 consecutive elements, lane i
+// holding element e0 + i (see the top). Every call is warp-uniform; lane 0
+// writes. A word that the current stretch of consecutive runs covers from
+// its first bit to its last is stored; any other word is OR-ed in atomically
+// (a neighbouring block or warp owns its other bits), once the stretch moves
+// past it or ends.
 struct MaskRuns {
-  long long next = -1;  // first element after the previous clean run
-  long long pend = -1;  // word that holds the previous run's high bits, if any
-  u32 high = 0;         // those bits
+  long long start = -1, end = -1;  // the stretch: elements [start, end)
+  long long pend = -1;             // its last word, not written yet, or -1
+  u32 held = 0;                    // that word's bits so far
 
   __device__ __forceinline__ void flush(u32* mask, int lane) {
-    if (pend >= 0 && lane == 0) atomicOr(mask + pend, high);
+    if (pend >= 0 && lane == 0) atomicOr(mask + pend, held);
     pend = -1;
   }
-  // A run of lanes 0..31 at elements e0 + lane; clean: every lane valid
-  // (warp-uniform). valid, bit: this lane's.
-  __device__ __forceinline__ void put(u32* mask, int lane, long long e0, bool clean, bool valid,
-                                      bool bit) {
-    const u32 bits = __ballot_sync(0xffffffffu, valid && bit);
-    if (!clean) {
+  // Elements e0 .. e0 + len - 1 (len <= 32); bits: bit i for element e0 + i.
+  __device__ __forceinline__ void put(u32* mask, int lane, long long e0, int len, u32 bits) {
+    if (len <= 0) return;
+    if (e0 != end) {  // a new stretch
       flush(mask, lane);
-      next = -1;
-      const long long e = e0 + lane;
-      if (valid && bit) atomicOr(mask + (e >> 5), 1u << (e & 31));
+      start = e0;
+    }
+    end = e0 + len;
+    const int sh = (int)(e0 & 31);
+    const long long word = e0 >> 5, word_end = (word + 1) << 5;
+    u32 low = bits << sh;
+    if (pend == word) low |= held;
+    pend = -1;
+    if (end < word_end) {  // the stretch may go on in this word
+      pend = word;
+      held = low;
       return;
     }
-    const int sh = (int)(e0 & 31);
-    const long long word = e0 >> 5;
-    u32 low = bits << sh;
-    if (next == e0 && pend == word) {  // the previous run filled the rest: complete
-      low |= high;
-      pend = -1;
-      if (lane == 0) mask[word] = low;
-    } else {
-      flush(mask, lane);
-      if (lane == 0) {
-        if (sh == 0)
-          mask[word] = low;  // the whole word is this run
-        else
-          atomicOr(mask + word, low);
-      }
+    if (lane == 0) {
+      if (start <= (word << 5))
+        mask[word] = low;  // every bit of the word is the stretch's
+      else
+        atomicOr(mask + word, low);
     }
-    if (sh != 0) {
-      high = bits >> (32 - sh);
+    if (end > word_end) {
       pend = word + 1;
+      held = bits >> (32 - sh);  // (sh > 0 here)
     }
-    next = e0 + 32;
   }
 };
 
-// acc += a * b over one depth step of 8, in kPasses TF32 passes (see the top).
+// acc += a * b over one depth step of 8 ([0] big, [1] small parts): big *
+// big, after the two correction terms (the smallest first) with three passes.
 template <int kPasses>
-__device__ __forceinline__ void mma_step(float (&acc)[4][4][4], u32 (&a)[4][4], u32 (&b)[4][2]) {
+__device__ __forceinline__ void mma_step(float (&acc)[4][4][4], const u32 (&a)[2][4][4],
+                                         const u32 (&b)[2][4][2]) {
   if (kPasses == 3) {
-    u32 b_lo[4][2];
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int q = 0; q < 2; ++q) split_tf32(__uint_as_float(b[j][q]), b[j][q], b_lo[j][q]);
-    // One row tile at a time (fewer live registers): the correction terms
-    // first (the smallest), each with finite operands only, then big * big.
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      u32 a_lo[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) split_tf32(__uint_as_float(a[i][q]), a[i][q], a_lo[q]);
-      const u32 ac[4] = {finite_or_zero(a[i][0]), finite_or_zero(a[i][1]), finite_or_zero(a[i][2]),
-                         finite_or_zero(a[i][3])};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const u32 bc[2] = {finite_or_zero(b[j][0]), finite_or_zero(b[j][1])};
-        mma_tf32(acc[i][j], a_lo, bc);
-        mma_tf32(acc[i][j], ac, b_lo[j]);
-      }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) mma_tf32(acc[i][j], a[i], b[j]);
-    }
-  } else {
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
-      for (int q = 0; q < 4; ++q) a[i][q] = to_tf32(__uint_as_float(a[i][q]));
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int q = 0; q < 2; ++q) b[j][q] = to_tf32(__uint_as_float(b[j][q]));
+      for (int j = 0; j < 4; ++j) mma_tf32(acc[i][j], a[1][i], b[0][j]);
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) mma_tf32(acc[i][j], a[i], b[j]);
+      for (int j = 0; j < 4; ++j) mma_tf32(acc[i][j], a[0][i], b[1][j]);
   }
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) mma_tf32(acc[i][j], a[0][i], b[0][j]);
 }
 
 // A warp's walk over warp-wide copy items (hi, mid, lo), lo fastest, in steps
@@ -222,9 +209,10 @@ struct Walk {
 
 // Global -> shared copy of the items (hi < n_hi) of a Walk, 8 loads in flight
 // per thread: item(walk, v) sets v and returns this lane's shared index (or
-// -1: nothing to store). All loads of a batch issue before any store waits.
-template <typename Item>
-__device__ __forceinline__ void copy_batched(Walk wk, int n_hi, float* dst, Item item) {
+// -1: nothing to store), where split<kPasses>(v) goes, the small part at
+// + small_at. All loads of a batch issue before any store waits.
+template <int kPasses, typename Item>
+__device__ __forceinline__ void copy_batched(Walk wk, int n_hi, u32* dst, int small_at, Item item) {
   constexpr int kWarps = kConvThreads / 32, kInFlight = 8;
   while (wk.hi < n_hi) {
     float v[kInFlight];
@@ -236,12 +224,17 @@ __device__ __forceinline__ void copy_batched(Walk wk, int n_hi, float* dst, Item
     }
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u)
-      if (at[u] >= 0) dst[at[u]] = v[u];
+      if (at[u] >= 0) {
+        u32 big, small;
+        split<kPasses>(v[u], big, small);
+        dst[at[u]] = big;
+        if (kPasses == 3) dst[at[u] + small_at] = small;
+      }
   }
 }
 
 template <typename T, int kPasses, bool kChannelsLast>
-__global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 2 : 4)
+__global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : 4)
     conv2d_kernel(const ConvParams p) {
   static_assert(kPasses == 1 || kPasses == 3, "one TF32 pass or the 3xTF32 split");
   extern __shared__ __align__(16) float smem[];
@@ -257,13 +250,18 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 2 : 4)
   const long long k_total = (long long)p.cin * khw;
   const bool one_chunk = p.cin <= p.cc;  // the weights stay for every tile
 
-  // Shared memory: koff [kc_pad] | patch [cc + 1][PH][PW], whose space the
-  // epilogue tile reuses | weights [kBN][kc_pad + 4] (see _conv.tiling).
+  // Shared memory (see _conv.tiling): koff [kc_pad] | the patch, [cc + 1]
+  // planes of PH x PW for each of the kPasses parts (one, or big and small;
+  // the last plane zero), whose space the epilogue tile reuses | the
+  // weights, [kBN][kc_pad + 4] for each part. Operands are stored split.
+  constexpr int kParts = kPasses == 3 ? 2 : 1;
   int* koff = reinterpret_cast<int*>(smem);
-  float* patch = smem + p.kc_pad;
-  const int patch_floats = (p.cc + 1) * plane;
-  float* bs = patch + (patch_floats > kEpilogueFloats ? patch_floats : kEpilogueFloats);
+  u32* patch = reinterpret_cast<u32*>(smem) + p.kc_pad;
+  const int part_floats = (p.cc + 1) * plane;
+  const int patch_floats = kParts * part_floats;
+  u32* bs = patch + (patch_floats > kEpilogueFloats ? patch_floats : kEpilogueFloats);
   const int bstride = p.kc_pad + 4;  // (g * bstride + t) % 32 distinct
+  const int b_part = kBN * bstride;
 
   for (int k = tid; k < p.kc_pad; k += kConvThreads) {
     int off = p.cc * plane;  // depth padding: the zero plane
@@ -315,7 +313,10 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 2 : 4)
     for (int c0 = 0; c0 < p.cin; c0 += p.cc) {
       __syncthreads();  // the previous MMAs and epilogue are done with shared memory
       if (c0 == 0)
-        for (int i = tid; i < plane; i += kConvThreads) patch[p.cc * plane + i] = 0.f;
+        for (int i = tid; i < plane; i += kConvThreads)
+#pragma unroll
+          for (int part = 0; part < kParts; ++part)
+            patch[part * part_floats + p.cc * plane + i] = 0u;
       // The input patch of channels [c0, c0 + cc), zero outside the image: one
       // warp-wide item is 32 consecutive patch columns of one (channel, row),
       // channel-fastest for NHWC (a batch reads whole sectors), else
@@ -333,17 +334,17 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 2 : 4)
         return (c * p.patch_h + pr) * p.patch_w + pc;
       };
       if (kChannelsLast)
-        copy_batched(Walk(warp, segs, p.cc), p.patch_h, patch, [&](const Walk& wk, float& v) {
-          return patch_item(wk, v, wk.lo, wk.hi, wk.mid);
-        });
+        copy_batched<kPasses>(
+            Walk(warp, segs, p.cc), p.patch_h, patch, part_floats,
+            [&](const Walk& wk, float& v) { return patch_item(wk, v, wk.lo, wk.hi, wk.mid); });
       else
-        copy_batched(Walk(warp, p.patch_h, segs), p.cc, patch, [&](const Walk& wk, float& v) {
-          return patch_item(wk, v, wk.hi, wk.mid, wk.lo);
-        });
+        copy_batched<kPasses>(
+            Walk(warp, p.patch_h, segs), p.cc, patch, part_floats,
+            [&](const Walk& wk, float& v) { return patch_item(wk, v, wk.hi, wk.mid, wk.lo); });
       // The chunk's weights: rows co, depth [c0 * kh * kw, + kc_pad), zero past K.
       if (!one_chunk || tile == (int)blockIdx.x) {
         const long long k_first = (long long)c0 * khw;
-        copy_batched(Walk(warp, kBN, ksegs), 1, bs, [&](const Walk& wk, float& v) {
+        copy_batched<kPasses>(Walk(warp, kBN, ksegs), 1, bs, b_part, [&](const Walk& wk, float& v) {
           const int k = wk.lo * 32 + lane, co = tile_n + wk.mid;
           if (k >= p.kc_pad) return -1;
           v = co < p.cout && k < kc && k_first + k < k_total
@@ -356,19 +357,23 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 2 : 4)
 
       for (int k0 = 0; k0 < p.kc_pad; k0 += 8) {
         const int ko0 = koff[k0 + t], ko1 = koff[k0 + t + 4];
-        u32 a[4][4], b[4][2];
+        u32 a[2][4][4], b[2][4][2];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          a[i][0] = __float_as_uint(patch[moff[i][0] + ko0]);
-          a[i][1] = __float_as_uint(patch[moff[i][1] + ko0]);
-          a[i][2] = __float_as_uint(patch[moff[i][0] + ko1]);
-          a[i][3] = __float_as_uint(patch[moff[i][1] + ko1]);
-        }
+        for (int part = 0; part < kParts; ++part) {
+          const u32* pa = patch + part * part_floats;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float* row = bs + (wn * 32 + j * 8 + g) * bstride + k0;
-          b[j][0] = __float_as_uint(row[t]);
-          b[j][1] = __float_as_uint(row[t + 4]);
+          for (int i = 0; i < 4; ++i) {
+            a[part][i][0] = pa[moff[i][0] + ko0];
+            a[part][i][1] = pa[moff[i][1] + ko0];
+            a[part][i][2] = pa[moff[i][0] + ko1];
+            a[part][i][3] = pa[moff[i][1] + ko1];
+          }
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const u32* row = bs + part * b_part + (wn * 32 + j * 8 + g) * bstride + k0;
+            b[part][j][0] = row[t];
+            b[part][j][1] = row[t + 4];
+          }
         }
         mma_step<kPasses>(acc, a, b);
       }
@@ -376,7 +381,7 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 2 : 4)
     __syncthreads();  // done with the patch: the epilogue tile takes its place
 
     // Epilogue: the tile into shared memory ...
-    float* ct = patch;
+    float* ct = reinterpret_cast<float*>(patch);
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -396,14 +401,12 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 2 : 4)
     MaskRuns runs;
     if (!kChannelsLast) {
       long long e0[kBM / 32];
-      int ow_first[kBM / 32];
-      bool row_ok[kBM / 32];
+      int len[kBM / 32];  // valid lanes: a prefix of the warp
 #pragma unroll
       for (int u = 0; u < kBM / 32; ++u) {
-        const int oh = oh0 + ((u * 32) >> p.c_log2);
-        ow_first[u] = ow0 + ((u * 32) & (cols - 1));
-        row_ok[u] = oh < p.oh;
-        e0[u] = (long long)n * p.cout * out_plane + (long long)oh * p.ow + ow_first[u];
+        const int oh = oh0 + ((u * 32) >> p.c_log2), ow = ow0 + ((u * 32) & (cols - 1));
+        len[u] = oh < p.oh ? min(32, p.ow - ow) : 0;
+        e0[u] = (long long)n * p.cout * out_plane + (long long)oh * p.ow + ow;
       }
       for (int line = warp; line < kBN; line += kConvThreads / 32) {
         const int co = tile_n + line;
@@ -413,14 +416,14 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 2 : 4)
 #pragma unroll
         for (int u = 0; u < kBM / 32; ++u) {
           const long long e = e0[u] + co * out_plane;
-          const bool valid = row_ok[u] && ow_first[u] + lane < p.ow;
+          const bool valid = lane < len[u];
           bool bit = false;
           if (valid) {
             T v = Num<T>::from_op(ct[line * kCS + u * 32 + lane]);
             if (bias) v = add_bias(v, b, alpha);
             y[e + lane] = op.forward(v, bit);
           }
-          if (p.mask) runs.put(p.mask, lane, e, row_ok[u] && ow_first[u] + 31 < p.ow, valid, bit);
+          if (p.mask) runs.put(p.mask, lane, e, len[u], __ballot_sync(0xffffffffu, bit));
         }
       }
     } else {
@@ -431,16 +434,15 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 2 : 4)
 #pragma unroll
         for (int u = 0; u < kBN / 32; ++u) {
           const int co = tile_n + u * 32 + lane;
-          const bool valid = co < p.cout;
+          const int len = min(32, p.cout - (tile_n + u * 32));
+          const bool valid = lane < len;
           bool bit = false;
           if (valid) {
             T v = Num<T>::from_op(ct[line * kCSL + u * 32 + lane]);
             if (bias) v = add_bias(v, bias[co], alpha);
             y[row + co] = op.forward(v, bit);
           }
-          if (p.mask)
-            runs.put(p.mask, lane, row + tile_n + u * 32, tile_n + u * 32 + 31 < p.cout, valid,
-                     bit);
+          if (p.mask) runs.put(p.mask, lane, row + tile_n + u * 32, len, __ballot_sync(~0u, bit));
         }
       }
     }

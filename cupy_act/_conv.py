@@ -113,13 +113,13 @@ def geometry(fname: str, x_shape, w_shape, stride=1, padding=0, dilation=1) -> G
     return Geometry(n, cin, h, w, cout, kh, kw, s, p, d, oh, ow)
 
 
-def fits(g: Geometry) -> bool:
+def fits(g: Geometry, n_passes: int) -> bool:
     """Whether the kernel applies: 32-bit offsets within one image and filter,
     and a tiling whose shared memory the device allows (else PyTorch's path)."""
     return (
         g.cin * g.h * g.w < _INT32
         and g.cout * g.cin * g.kh * g.kw < _INT32
-        and tiling(g) is not None
+        and tiling(g, n_passes) is not None
     )
 
 
@@ -138,16 +138,21 @@ class Tiling(NamedTuple):
 
 EPILOGUE_FLOATS = max(TILE_M * (TILE_N + 4), TILE_N * (TILE_M + 4))  # kEpilogueFloats
 EPILOGUE_BYTES = 4 * EPILOGUE_FLOATS
-SMEM_TARGET = 55 * 1024  # four blocks fit an sm_90 SM's 228 KiB
-SMEM_MAX = 99 * 1024  # the most any sm_80+ device gives one block
+# Shared memory per block that lets the registers' occupancy fit an sm_90 SM
+# (228 KiB, 1 KiB reserved per block): four blocks with one pass, three with
+# three (conv2d.cu's launch bounds).
+SMEM_TARGET = {1: 56 * 1024, 3: 75 * 1024}
+SMEM_MAX = 99 * 1024  # the most every sm_80+ device gives one block
 
 
-def tiling(g: Geometry) -> Tiling | None:
+def tiling(g: Geometry, n_passes: int) -> Tiling | None:
     """The widest rectangle (C = 128, 64 or 32, at least the output width where
     possible) and the fewest, evenly sized channel chunks whose shared memory
-    stays within SMEM_TARGET (or SMEM_MAX with one channel); None if none fits."""
+    stays within SMEM_TARGET (or SMEM_MAX); None if nothing fits. Three passes
+    store every operand as two parts."""
+    parts = 2 if n_passes == 3 else 1
     c_log2 = 5 if g.ow <= 32 else 6 if g.ow <= 64 else 7
-    for limit in (SMEM_TARGET, SMEM_MAX):
+    for limit in (SMEM_TARGET[n_passes], SMEM_MAX):
         for c in range(c_log2, 4, -1):
             rows = TILE_M >> c
             ph = (rows - 1) * g.stride[0] + (g.kh - 1) * g.dilation[0] + 1
@@ -156,8 +161,8 @@ def tiling(g: Geometry) -> Tiling | None:
                 cc = -(-g.cin // -(-g.cin // cc))  # the same chunk count, evenly split
                 kc_pad = -(-cc * g.kh * g.kw // 8) * 8
                 # koff table | patch, or the epilogue tile in its place | weights
-                patch = max((cc + 1) * ph * pw, EPILOGUE_FLOATS)
-                smem = 4 * (kc_pad + patch + TILE_N * (kc_pad + 4))
+                patch = max(parts * (cc + 1) * ph * pw, EPILOGUE_FLOATS)
+                smem = 4 * (kc_pad + patch + parts * TILE_N * (kc_pad + 4))
                 if smem <= limit:
                     tiles = (-(-g.oh // rows), -(-g.ow // (1 << c)))
                     return Tiling(c, *tiles, cc, kc_pad, ph, pw, smem)
@@ -263,9 +268,10 @@ def launch(
     slope, scale = kernel_scalars("div_leaky_relu", negative_slope, divisor, False, fname)
     if g.n * g.oh * g.ow == 0:
         return
-    tl = tiling(g)
+    n_passes = passes(dtype, precision)
+    tl = tiling(g, n_passes)
     assert tl is not None, "callers check fits()"
-    k = kernel(device, dtype, passes(dtype, precision), channels_last)
+    k = kernel(device, dtype, n_passes, channels_last)
     _allow_smem(k, tl.smem)
     s = _scratch
     _PARAMS.pack_into(

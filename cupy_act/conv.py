@@ -73,7 +73,7 @@ def conv2d_div_leaky_relu(
     w = as_device_array(weight, "weight", fname, allowed=_conv.DTYPES)
     g = _conv.geometry(fname, x.shape, w.shape, stride, padding, dilation)
     check_like(w, "weight", x, fname, shape=w.shape)
-    if not _conv.fits(g):
+    if not _conv.fits(g, _conv.passes(str(x.dtype), precision)):
         raise ValueError(
             f"{fname}: {g} is beyond the fused kernel (an image or the filter of 2^31 "
             f"elements or more, or an input patch too large for shared memory)"

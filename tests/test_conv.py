@@ -115,26 +115,26 @@ def test_geometry_errors_name_the_value(xs, ws, kw, match):
 
 def test_fits_guards_32_bit_offsets():
     g = _conv.geometry("f", (1, 2**16, 2**8, 2**8), (1, 2**16, 1, 1))
-    assert not _conv.fits(g)
-    assert _conv.fits(_conv.geometry("f", (4, 8, 64, 64), (16, 8, 3, 3)))
+    assert not _conv.fits(g, 3)
+    assert _conv.fits(_conv.geometry("f", (4, 8, 64, 64), (16, 8, 3, 3)), 3)
 
 
 @pytest.mark.parametrize("xs, ws, stride, padding, dilation", GEOMETRIES)
 def test_tiling_fits_shared_memory(xs, ws, stride, padding, dilation):
     g = _conv.geometry("f", xs, ws, stride, padding, dilation)
-    t = _conv.tiling(g)
-    assert t is not None and _conv.EPILOGUE_BYTES <= t.smem <= _conv.SMEM_TARGET
+    t = _conv.tiling(g, 3)
+    assert t is not None and _conv.EPILOGUE_BYTES <= t.smem <= _conv.SMEM_TARGET[3]
     rows, cols = _conv.TILE_M >> t.c_log2, 1 << t.c_log2
     assert t.tiles_h * rows >= g.oh and t.tiles_w * cols >= g.ow
     assert t.kc_pad % 8 == 0 and t.kc_pad >= t.cc * g.kh * g.kw and 1 <= t.cc <= g.cin
 
 
 def test_tiling_splits_channels_evenly_and_refuses_what_cannot_fit():
-    t = _conv.tiling(_conv.geometry("f", (1, 64, 56, 56), (64, 64, 3, 3), 1, 1))
+    t = _conv.tiling(_conv.geometry("f", (1, 64, 56, 56), (64, 64, 3, 3), 1, 1), 1)
     chunks = -(-64 // t.cc)
     assert chunks * t.cc - 64 < chunks  # no chunk short by more than one channel
     huge = _conv.geometry("f", (1, 1, 4000, 4000), (1, 1, 60, 60), 1, 0, 20)
-    assert _conv.tiling(huge) is None and not _conv.fits(huge)
+    assert _conv.tiling(huge, 1) is None and not _conv.fits(huge, 1)
 
 
 def test_passes():
@@ -467,9 +467,10 @@ def test_auto_picks_a_candidate_and_caches_it():
 def test_fused_falls_back_where_it_does_not_apply():
     """float64 and an asymmetric 'same' padding run the exact path: bit for bit eager."""
     x, w, b = _xwb((2, 3, 9, 11), (5, 3, 3, 3), "cuda", torch.float64)
-    testing.assert_bits_equal(ct.conv2d_div_leaky_relu(x, w, b, algorithm="fused"), block(x, w, b))
+    y = ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, SLOPE, algorithm="fused")
+    testing.assert_bits_equal(y, block(x, w, b))
     x, w, b = _xwb((2, 3, 9, 11), (5, 3, 2, 2), "cuda")
-    y = ct.conv2d_div_leaky_relu(x, w, b, padding="same", algorithm="fused")
+    y = ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, SLOPE, padding="same", algorithm="fused")
     testing.assert_bits_equal(y, block(x, w, b, padding="same"))
 
 

@@ -153,10 +153,11 @@ def _padding(padding, weight: Tensor, dilation, stride):
     return (total[0] // 2, total[1] // 2)
 
 
-def _fusable(x: Tensor, weight: Tensor, pad, stride, dilation) -> bool:
+def _fusable(x: Tensor, weight: Tensor, pad, stride, dilation, tf32: bool = False) -> bool:
     if not (x.is_cuda and x.dtype in _FUSED_DTYPES) or pad is None:
         return False
-    return _conv.fits(_conv.geometry(FNAME, x.shape, weight.shape, stride, pad, dilation))
+    g = _conv.geometry(FNAME, x.shape, weight.shape, stride, pad, dilation)
+    return _conv.fits(g, _conv.passes(_impl.DTYPE_NAMES[x.dtype], "tf32" if tf32 else "fp32"))
 
 
 def _check(x, weight, bias, divisor, slope, algorithm) -> None:
@@ -216,8 +217,8 @@ def conv2d_div_leaky_relu(
         algorithm = _choose(
             input, weight, bias, divisor, negative_slope, stride, pad, dilation, padding, allow_tf32
         )
-    if algorithm.startswith("fused") and _fusable(input, weight, pad, stride, dilation):
-        tf32 = algorithm == "fused_tf32"
+    tf32 = algorithm == "fused_tf32"
+    if algorithm.startswith("fused") and _fusable(input, weight, pad, stride, dilation, tf32):
         needs_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (input, weight, bias)
         )
