@@ -118,51 +118,35 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const u32 (&a)[4], const
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Mask words from warp-wide runs of up to 32 consecutive elements, lane i
-// holding element e0 + i (see the top). Every call is warp-uniform; lane 0
-// writes. A word that the current stretch of consecutive runs covers from
-// its first bit to its last is stored; any other word is OR-ed in atomically
-// (a neighbouring block or warp owns its other bits), once the stretch moves
-// past it or ends.
-struct MaskRuns {
-  long long start = -1, end = -1;  // the stretch: elements [start, end)
-  long long pend = -1;             // its last word, not written yet, or -1
-  u32 held = 0;                    // that word's bits so far
-
-  __device__ __forceinline__ void flush(u32* mask, int lane) {
-    if (pend >= 0 && lane == 0) atomicOr(mask + pend, held);
-    pend = -1;
-  }
-  // Elements e0 .. e0 + len - 1 (len <= 32); bits: bit i for element e0 + i.
-  __device__ __forceinline__ void put(u32* mask, int lane, long long e0, int len, u32 bits) {
-    if (len <= 0) return;
-    if (e0 != end) {  // a new stretch
-      flush(mask, lane);
-      start = e0;
+// The mask words of elements [e, e + len), consecutive, whose bits are the
+// runs bits[first], ..., bits[first + count - 1] (bit i of the stream is
+// element e + i; count * 32 >= len; invalid elements' bits are 0). Lane j
+// writes word (e >> 5) + j: stored if the elements cover all of it, else
+// OR-ed in atomically (a neighbouring warp or block owns its other bits;
+// the buffer starts zeroed, so zero words are skipped). Warp-uniform call.
+template <int kMax>
+__device__ __forceinline__ void write_mask(u32* mask, int lane, long long e, int len,
+                                           const u32 (&bits)[kMax], int first, int count) {
+  if (len <= 0) return;
+  const int sh = (int)(e & 31);
+  const long long w0 = e >> 5;
+  const int words = (int)(((e + len - 1) >> 5) - w0) + 1;
+  if (lane >= words) return;
+  u32 hi = 0, lo = 0;  // word j = (bits[j] << sh) | (bits[j - 1] >> (32 - sh))
+#pragma unroll
+  for (int r = 0; r < kMax; ++r)
+    if (r >= first && r < first + count) {
+      if (lane == r - first) hi = bits[r];
+      if (lane == r - first + 1) lo = bits[r];
     }
-    end = e0 + len;
-    const int sh = (int)(e0 & 31);
-    const long long word = e0 >> 5, word_end = (word + 1) << 5;
-    u32 low = bits << sh;
-    if (pend == word) low |= held;
-    pend = -1;
-    if (end < word_end) {  // the stretch may go on in this word
-      pend = word;
-      held = low;
-      return;
-    }
-    if (lane == 0) {
-      if (start <= (word << 5))
-        mask[word] = low;  // every bit of the word is the stretch's
-      else
-        atomicOr(mask + word, low);
-    }
-    if (end > word_end) {
-      pend = word + 1;
-      held = bits >> (32 - sh);  // (sh > 0 here)
-    }
-  }
-};
+  const u32 word = __funnelshift_l(lo, hi, sh);
+  if (word == 0u) return;
+  const long long wi = w0 + lane;
+  if ((wi << 5) >= e && ((wi + 1) << 5) <= e + len)
+    mask[wi] = word;
+  else
+    atomicOr(mask + wi, word);
+}
 
 // acc += a * b over one depth step of 8 ([0] big, [1] small parts): big *
 // big, after the two correction terms (the smallest first) with three passes.
@@ -396,57 +380,69 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : 4)
 
     // ... then out in warp-wide runs along memory: 32 positions of one output
     // row and channel (NCHW; C >= 32, so a run never leaves its row) or 32
-    // channels of one position (NHWC). e0 and clean (all 32 lanes valid, so
-    // the run's elements are e0 .. e0 + 31) are the same for every lane.
-    MaskRuns runs;
+    // channels of one position (NHWC). The valid lanes of a run are a prefix.
     if (!kChannelsLast) {
+      const int per_row = cols >> 5;  // runs per output row: 1, 2 or 4
       long long e0[kBM / 32];
-      int len[kBM / 32];  // valid lanes: a prefix of the warp
+      int len[kBM / 32];  // valid lanes of each run; of its row, for a row's first run
 #pragma unroll
       for (int u = 0; u < kBM / 32; ++u) {
         const int oh = oh0 + ((u * 32) >> p.c_log2), ow = ow0 + ((u * 32) & (cols - 1));
-        len[u] = oh < p.oh ? min(32, p.ow - ow) : 0;
+        len[u] = oh < p.oh ? max(0, min(32, p.ow - ow)) : 0;
         e0[u] = (long long)n * p.cout * out_plane + (long long)oh * p.ow + ow;
       }
+      T* y_lane = y + lane;
       for (int line = warp; line < kBN; line += kConvThreads / 32) {
         const int co = tile_n + line;
         if (co >= p.cout) break;  // (warp-uniform)
         T b = Num<T>::zero();
         if (bias) b = bias[co];
+        const long long shift = co * out_plane;
+        u32 bits[kBM / 32];
 #pragma unroll
         for (int u = 0; u < kBM / 32; ++u) {
-          const long long e = e0[u] + co * out_plane;
-          const bool valid = lane < len[u];
           bool bit = false;
-          if (valid) {
+          if (lane < len[u]) {
             T v = Num<T>::from_op(ct[line * kCS + u * 32 + lane]);
             if (bias) v = add_bias(v, b, alpha);
-            y[e + lane] = op.forward(v, bit);
+            y_lane[e0[u] + shift] = op.forward(v, bit);
           }
-          if (p.mask) runs.put(p.mask, lane, e, len[u], __ballot_sync(0xffffffffu, bit));
+          bits[u] = __ballot_sync(0xffffffffu, bit);
+        }
+        if (p.mask) {
+#pragma unroll
+          for (int u = 0; u < kBM / 32; ++u)
+            if (u % per_row == 0) {
+              int row_len = 0;
+#pragma unroll
+              for (int r = u; r < kBM / 32; ++r)
+                if (r < u + per_row) row_len += len[r];
+              write_mask<kBM / 32>(p.mask, lane, e0[u] + shift, row_len, bits, u, per_row);
+            }
         }
       }
     } else {
+      const int len0 = max(0, min(32, p.cout - tile_n)),
+                len1 = max(0, min(32, p.cout - tile_n - 32));
       for (int line = warp; line < kBM; line += kConvThreads / 32) {
         const int oh = oh0 + (line >> p.c_log2), ow = ow0 + (line & (cols - 1));
         if (oh >= p.oh || ow >= p.ow) continue;  // (warp-uniform)
         const long long row = (((long long)n * p.oh + oh) * p.ow + ow) * p.cout;
+        u32 bits[kBN / 32];
 #pragma unroll
         for (int u = 0; u < kBN / 32; ++u) {
           const int co = tile_n + u * 32 + lane;
-          const int len = min(32, p.cout - (tile_n + u * 32));
-          const bool valid = lane < len;
           bool bit = false;
-          if (valid) {
+          if (lane < (u ? len1 : len0)) {
             T v = Num<T>::from_op(ct[line * kCSL + u * 32 + lane]);
             if (bias) v = add_bias(v, bias[co], alpha);
             y[row + co] = op.forward(v, bit);
           }
-          if (p.mask) runs.put(p.mask, lane, row + tile_n + u * 32, len, __ballot_sync(~0u, bit));
+          bits[u] = __ballot_sync(0xffffffffu, bit);
         }
+        if (p.mask) write_mask<kBN / 32>(p.mask, lane, row + tile_n, len0 + len1, bits, 0, 2);
       }
     }
-    if (p.mask) runs.flush(p.mask, lane);
   }
 }
 
