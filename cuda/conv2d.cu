@@ -39,11 +39,10 @@
 // so they round exactly as eager PyTorch's separate ops do.
 //
 // Mask: the format of elementwise.cu (bit i % 32 of word i / 32 is element i,
-// in the output's memory order). The buffer is zeroed before the launch. A run
-// of 32 consecutive elements covers at most two words; a word whose 32 bits
-// all come from this warp's runs is stored, every other word (the ends of a
-// stretch of runs, runs broken by an image or tile edge) is OR-ed in
-// atomically, since a neighbouring block owns its other bits.
+// in the output's memory order). The buffer is zeroed before the launch. The
+// ballots of one output row (NCHW) or position (NHWC) of the tile are
+// consecutive elements: a word they cover entirely is stored, the words at
+// either end are OR-ed in atomically, since a neighbour owns their other bits.
 #include "numerics.cuh"
 #include "params.cuh"
 #include "activations.cuh"
