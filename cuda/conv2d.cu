@@ -168,51 +168,24 @@ __device__ __forceinline__ void mma_step(float (&acc)[4][4][4], const u32 (&a)[2
     for (int j = 0; j < 4; ++j) mma_tf32(acc[i][j], a[0][i], b[0][j]);
 }
 
-// A warp's walk over warp-wide copy items (hi, mid, lo), lo fastest, in steps
-// of the warp count: counters instead of divisions per item.
-struct Walk {
-  int hi, mid, lo, n_mid, n_lo;
-  __device__ __forceinline__ Walk(int start, int n_mid_, int n_lo_) : n_mid(n_mid_), n_lo(n_lo_) {
-    lo = start % n_lo;
-    const int q = start / n_lo;
-    mid = q % n_mid;
-    hi = q / n_mid;
-  }
-  __device__ __forceinline__ void step(int k) {
-    lo += k;
-    while (lo >= n_lo) {
-      lo -= n_lo;
-      if (++mid == n_mid) {
-        mid = 0;
-        ++hi;
-      }
-    }
-  }
-};
+// One element (kParts = 1) or a (big, small) pair (kParts = 2) from shared memory.
+template <int kParts>
+__device__ __forceinline__ void lds(u32 addr, u32 (&v)[2]) {
+  if (kParts == 2)
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v[0]), "=r"(v[1]) : "r"(addr));
+  else
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v[0]) : "r"(addr));
+}
 
-// Global -> shared copy of the items (hi < n_hi) of a Walk, 8 loads in flight
-// per thread: item(walk, v) sets v and returns this lane's shared index (or
-// -1: nothing to store), where split<kPasses>(v) goes, the small part at
-// + small_at. All loads of a batch issue before any store waits.
-template <int kPasses, typename Item>
-__device__ __forceinline__ void copy_batched(Walk wk, int n_hi, u32* dst, int small_at, Item item) {
-  constexpr int kWarps = kConvThreads / 32, kInFlight = 8;
-  while (wk.hi < n_hi) {
-    float v[kInFlight];
-    int at[kInFlight];
-#pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      at[u] = wk.hi < n_hi ? item(wk, v[u]) : -1;
-      wk.step(kWarps);
-    }
-#pragma unroll
-    for (int u = 0; u < kInFlight; ++u)
-      if (at[u] >= 0) {
-        u32 big, small;
-        split<kPasses>(v[u], big, small);
-        dst[at[u]] = big;
-        if (kPasses == 3) dst[at[u] + small_at] = small;
-      }
+// x split (split<kPasses>) into shared memory at element index e.
+template <int kPasses>
+__device__ __forceinline__ void put_split(u32* dst, int e, float x) {
+  u32 big, small;
+  split<kPasses>(x, big, small);
+  if (kPasses == 3) {
+    *reinterpret_cast<uint2*>(dst + 2 * e) = make_uint2(big, small);
+  } else {
+    dst[e] = big;
   }
 }
 
@@ -230,41 +203,44 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : 4)
   const int khw = p.kh * p.kw;
   const int kc = p.cc * khw;
   const int plane = p.patch_h * p.patch_w;
-  const long long k_total = (long long)p.cin * khw;
+  const int k_total = p.cin * khw;
   const bool one_chunk = p.cin <= p.cc;  // the weights stay for every tile
 
   // Shared memory (see _conv.tiling): koff [kc_pad] | the patch, [cc + 1]
-  // planes of PH x PW for each of the kPasses parts (one, or big and small;
-  // the last plane zero), whose space the epilogue tile reuses | the
-  // weights, [kBN][kc_pad + 4] for each part. Operands are stored split.
+  // planes of PH x PW (the last one zero), whose space the epilogue tile
+  // reuses | the weights, [kc_pad][kBS] (k-major). With three passes every
+  // operand is a (big, small) pair of words: one 64-bit load gets both.
   constexpr int kParts = kPasses == 3 ? 2 : 1;
+  constexpr int kBS = kParts == 2 ? 68 : 72;  // weight row stride: no bank conflicts
   int* koff = reinterpret_cast<int*>(smem);
   u32* patch = reinterpret_cast<u32*>(smem) + p.kc_pad;
-  const int part_floats = (p.cc + 1) * plane;
-  const int patch_floats = kParts * part_floats;
-  u32* bs = patch + (patch_floats > kEpilogueFloats ? patch_floats : kEpilogueFloats);
-  const int bstride = p.kc_pad + 4;  // (g * bstride + t) % 32 distinct
-  const int b_part = kBN * bstride;
+  const int patch_words = kParts * (p.cc + 1) * plane;
+  u32* bs = patch + (patch_words > kEpilogueFloats ? patch_words : kEpilogueFloats);
 
+  // koff: the byte offset of depth k in the patch (padding depth: the zero plane).
   for (int k = tid; k < p.kc_pad; k += kConvThreads) {
-    int off = p.cc * plane;  // depth padding: the zero plane
+    int off = p.cc * plane;
     if (k < kc) {
       const int ci = k / khw, rs = k - ci * khw, r = rs / p.kw, s = rs - r * p.kw;
       off = ci * plane + r * p.dh * p.patch_w + s * p.dw;
     }
-    koff[k] = off;
+    koff[k] = off * kParts * 4;
   }
 
-  // Patch offsets of this thread's eight A rows (4 row tiles x g, g + 8).
+  // Shared addresses of this thread's eight A rows (4 row tiles x g, g + 8)
+  // at depth 0, and of its B column at depth t.
   const int wm = warp & 1, wn = warp >> 1;
-  int moff[4][2];
+  const u32 patch_addr = (u32)__cvta_generic_to_shared(patch);
+  u32 a_addr[4][2];
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int ml = wm * 64 + i * 16 + g + h * 8;
-      moff[i][h] = (ml >> p.c_log2) * p.sh * p.patch_w + (ml & (cols - 1)) * p.sw;
+      const int e = (ml >> p.c_log2) * p.sh * p.patch_w + (ml & (cols - 1)) * p.sw;
+      a_addr[i][h] = patch_addr + e * kParts * 4;
     }
+  const u32 b_addr = (u32)__cvta_generic_to_shared(bs) + (t * kBS + wn * 32 + g) * kParts * 4;
 
   Params ap;  // the elementwise functor's scalars
   ap.slope = p.slope;
@@ -274,8 +250,8 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : 4)
   const T* bias = static_cast<const T*>(p.bias);
   T* y = static_cast<T*>(p.y);
   const long long out_plane = (long long)p.oh * p.ow;
-  const int segs = (p.patch_w + 31) >> 5, ksegs = (p.kc_pad + 31) >> 5;
   const int tiles = p.n * p.tiles_h * p.tiles_w;
+  const int image = p.cin * p.h * p.w_in;  // < 2^31 (_conv.fits)
 
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     // This tile's rectangle: image n, output rows oh0.., columns ow0..
@@ -284,6 +260,7 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : 4)
     const int n = tile / (p.tiles_w * p.tiles_h);
     const int oh0 = th * (kBM >> p.c_log2), ow0 = tw * cols;
     const int ih_base = oh0 * p.sh - p.ph, iw_base = ow0 * p.sw - p.pw;
+    const T* xn = x + (long long)n * image;
 
     float acc[4][4][4];
 #pragma unroll
@@ -297,67 +274,76 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : 4)
       __syncthreads();  // the previous MMAs and epilogue are done with shared memory
       if (c0 == 0)
         for (int i = tid; i < plane; i += kConvThreads)
-#pragma unroll
-          for (int part = 0; part < kParts; ++part)
-            patch[part * part_floats + p.cc * plane + i] = 0u;
-      // The input patch of channels [c0, c0 + cc), zero outside the image: one
-      // warp-wide item is 32 consecutive patch columns of one (channel, row),
-      // channel-fastest for NHWC (a batch reads whole sectors), else
-      // column-fastest.
-      auto patch_item = [&](const Walk& wk, float& v, int c, int pr, int seg) {
-        const int pc = seg * 32 + lane, ih = ih_base + pr, iw = iw_base + pc;
-        if (pc >= p.patch_w) return -1;
-        v = 0.f;
-        if (c0 + c < p.cin && (unsigned)ih < (unsigned)p.h && (unsigned)iw < (unsigned)p.w_in) {
-          const long long at = kChannelsLast
-                                   ? (((long long)n * p.h + ih) * p.w_in + iw) * p.cin + c0 + c
-                                   : (((long long)n * p.cin + c0 + c) * p.h + ih) * p.w_in + iw;
-          v = Num<T>::to_op(x[at]);
+          put_split<kPasses>(patch, p.cc * plane + i, 0.f);
+      // The input patch of channels [c0, c0 + cc), zero outside the image.
+      // NCHW: a warp per (channel, row), lanes along the row. NHWC: a warp
+      // per row, a lane per column reading that column's cc channels, which
+      // lie together. Unrolled so that several loads are in flight.
+      if (kChannelsLast) {
+        for (int pr = warp; pr < p.patch_h; pr += kConvThreads / 32) {
+          const int ih = ih_base + pr;
+          const bool row_ok = (unsigned)ih < (unsigned)p.h;
+          for (int pc = lane; pc < p.patch_w; pc += 32) {
+            const int iw = iw_base + pc;
+            const bool ok = row_ok && (unsigned)iw < (unsigned)p.w_in;
+            const T* src = xn + (ih * p.w_in + iw) * p.cin + c0;
+#pragma unroll 4
+            for (int c = 0; c < p.cc; ++c) {
+              const float v = ok && c0 + c < p.cin ? Num<T>::to_op(src[c]) : 0.f;
+              put_split<kPasses>(patch, (c * p.patch_h + pr) * p.patch_w + pc, v);
+            }
+          }
         }
-        return (c * p.patch_h + pr) * p.patch_w + pc;
-      };
-      if (kChannelsLast)
-        copy_batched<kPasses>(
-            Walk(warp, segs, p.cc), p.patch_h, patch, part_floats,
-            [&](const Walk& wk, float& v) { return patch_item(wk, v, wk.lo, wk.hi, wk.mid); });
-      else
-        copy_batched<kPasses>(
-            Walk(warp, p.patch_h, segs), p.cc, patch, part_floats,
-            [&](const Walk& wk, float& v) { return patch_item(wk, v, wk.hi, wk.mid, wk.lo); });
-      // The chunk's weights: rows co, depth [c0 * kh * kw, + kc_pad), zero past K.
+      } else {
+        for (int row = warp; row < p.cc * p.patch_h; row += kConvThreads / 32) {
+          const int c = row / p.patch_h, ih = ih_base + row - c * p.patch_h;
+          const bool row_ok = (unsigned)ih < (unsigned)p.h && c0 + c < p.cin;
+          const T* src = xn + ((c0 + c) * p.h + ih) * p.w_in;
+#pragma unroll 4
+          for (int pc = lane; pc < p.patch_w; pc += 32) {
+            const int iw = iw_base + pc;
+            const float v =
+                row_ok && (unsigned)iw < (unsigned)p.w_in ? Num<T>::to_op(src[iw]) : 0.f;
+            put_split<kPasses>(patch, row * p.patch_w + pc, v);
+          }
+        }
+      }
+      // The chunk's weights, k-major: depth [c0 * kh * kw, + kc_pad), zero past K.
       if (!one_chunk || tile == (int)blockIdx.x) {
-        const long long k_first = (long long)c0 * khw;
-        copy_batched<kPasses>(Walk(warp, kBN, ksegs), 1, bs, b_part, [&](const Walk& wk, float& v) {
-          const int k = wk.lo * 32 + lane, co = tile_n + wk.mid;
-          if (k >= p.kc_pad) return -1;
-          v = co < p.cout && k < kc && k_first + k < k_total
-                  ? Num<T>::to_op(w[(long long)co * k_total + k_first + k])
-                  : 0.f;
-          return wk.mid * bstride + k;
-        });
+        const int k_first = c0 * khw;
+        for (int r = warp; r < kBN; r += kConvThreads / 32) {
+          const int co = tile_n + r;
+#pragma unroll 4
+          for (int k = lane; k < p.kc_pad; k += 32) {
+            const float v = co < p.cout && k < kc && k_first + k < k_total
+                                ? Num<T>::to_op(w[(long long)co * k_total + k_first + k])
+                                : 0.f;
+            put_split<kPasses>(bs, k * kBS + r, v);
+          }
+        }
       }
       __syncthreads();
 
       for (int k0 = 0; k0 < p.kc_pad; k0 += 8) {
-        const int ko0 = koff[k0 + t], ko1 = koff[k0 + t + 4];
-        u32 a[2][4][4], b[2][4][2];
+        const u32 ko0 = koff[k0 + t], ko1 = koff[k0 + t + 4];
+        const u32 kb = b_addr + k0 * kBS * kParts * 4;
+        u32 a[2][4][4], b[2][4][2], v[2];
 #pragma unroll
-        for (int part = 0; part < kParts; ++part) {
-          const u32* pa = patch + part * part_floats;
+        for (int i = 0; i < 4; ++i)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            a[part][i][0] = pa[moff[i][0] + ko0];
-            a[part][i][1] = pa[moff[i][1] + ko0];
-            a[part][i][2] = pa[moff[i][0] + ko1];
-            a[part][i][3] = pa[moff[i][1] + ko1];
+          for (int q = 0; q < 4; ++q) {  // q: (row g or g + 8) x (depth t or t + 4)
+            lds<kParts>(a_addr[i][q & 1] + (q < 2 ? ko0 : ko1), v);
+            a[0][i][q] = v[0];
+            a[1][i][q] = v[1];
           }
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const u32* row = bs + part * b_part + (wn * 32 + j * 8 + g) * bstride + k0;
-            b[part][j][0] = row[t];
-            b[part][j][1] = row[t + 4];
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int q = 0; q < 2; ++q) {  // q: depth t or t + 4
+            lds<kParts>(kb + (q * 4 * kBS + j * 8) * kParts * 4, v);
+            b[0][j][q] = v[0];
+            b[1][j][q] = v[1];
           }
-        }
         mma_step<kPasses>(acc, a, b);
       }
     }

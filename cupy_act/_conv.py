@@ -138,6 +138,7 @@ class Tiling(NamedTuple):
 
 EPILOGUE_FLOATS = max(TILE_M * (TILE_N + 4), TILE_N * (TILE_M + 4))  # kEpilogueFloats
 EPILOGUE_BYTES = 4 * EPILOGUE_FLOATS
+WEIGHT_STRIDE = {1: 72, 2: 68}  # kBS: words per depth row of the weights, by parts
 # Shared memory per block that lets the registers' occupancy fit an sm_90 SM
 # (228 KiB, 1 KiB reserved per block): four blocks with one pass, three with
 # three (conv2d.cu's launch bounds).
@@ -162,7 +163,7 @@ def tiling(g: Geometry, n_passes: int) -> Tiling | None:
                 kc_pad = -(-cc * g.kh * g.kw // 8) * 8
                 # koff table | patch, or the epilogue tile in its place | weights
                 patch = max(parts * (cc + 1) * ph * pw, EPILOGUE_FLOATS)
-                smem = 4 * (kc_pad + patch + parts * TILE_N * (kc_pad + 4))
+                smem = 4 * (kc_pad + patch + parts * kc_pad * WEIGHT_STRIDE[parts])
                 if smem <= limit:
                     tiles = (-(-g.oh // rows), -(-g.ow // (1 << c)))
                     return Tiling(c, *tiles, cc, kc_pad, ph, pw, smem)
