@@ -189,8 +189,17 @@ __device__ __forceinline__ void put_split(u32* dst, int e, float x) {
   }
 }
 
+// Blocks per SM the registers must allow (the shared memory plan in
+// _conv.tiling matches): three with three passes, four with one, except on
+// sm_100 and later, where ptxas needs a few more than 128 registers.
+#if __CUDA_ARCH__ >= 1000
+constexpr int kOnePassBlocks = 3;
+#else
+constexpr int kOnePassBlocks = 4;
+#endif
+
 template <typename T, int kPasses, bool kChannelsLast>
-__global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : 4)
+__global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlocks)
     conv2d_kernel(const ConvParams p) {
   static_assert(kPasses == 1 || kPasses == 3, "one TF32 pass or the 3xTF32 split");
   extern __shared__ __align__(16) float smem[];
@@ -287,7 +296,7 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : 4)
             const int iw = iw_base + pc;
             const bool ok = row_ok && (unsigned)iw < (unsigned)p.w_in;
             const T* src = xn + (ih * p.w_in + iw) * p.cin + c0;
-#pragma unroll 4
+#pragma unroll 2
             for (int c = 0; c < p.cc; ++c) {
               const float v = ok && c0 + c < p.cin ? Num<T>::to_op(src[c]) : 0.f;
               put_split<kPasses>(patch, (c * p.patch_h + pr) * p.patch_w + pc, v);
