@@ -168,25 +168,85 @@ __device__ __forceinline__ void mma_step(float (&acc)[4][4][4], const u32 (&a)[2
     for (int j = 0; j < 4; ++j) mma_tf32(acc[i][j], a[0][i], b[0][j]);
 }
 
-// One element (kParts = 1) or a (big, small) pair (kParts = 2) from shared memory.
-template <int kParts>
-__device__ __forceinline__ void lds(u32 addr, u32 (&v)[2]) {
-  if (kParts == 2)
-    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v[0]), "=r"(v[1]) : "r"(addr));
-  else
-    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v[0]) : "r"(addr));
+// The epilogue of 4 consecutive output elements at y[e], of which the first
+// `valid` exist: round to T, add the channel's bias (bias[co + j] for a run
+// of channels when kPerChannel, else bias[co]), then op.forward. Stores as
+// wide as e's alignment allows; returns the 4 mask bits (element j: bit j).
+template <bool kPerChannel, typename T, typename Op>
+__device__ __forceinline__ u32 store4_(T* y, long long e, const float4& v4, int valid, const Op& op,
+                                       const T* bias, int co, typename Num<T>::op_t alpha) {
+  const float in[4] = {v4.x, v4.y, v4.z, v4.w};
+  union {
+    T e[4];
+    u32 w[sizeof(T)];  // the same 4 * sizeof(T) bytes as words
+  } out;
+  u32 bits = 0;
+  T b = Num<T>::zero();
+  if (bias && !kPerChannel && valid > 0) b = bias[co];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    T v = Num<T>::from_op(in[j]);
+    if (bias && j < valid) v = add_bias(v, kPerChannel ? bias[co + j] : b, alpha);
+    bool bit;
+    out.e[j] = op.forward(v, bit);
+    bits |= (u32)(bit && j < valid) << j;
+  }
+  T* dst = y + e;
+  const u64 at = (u64)dst;
+  if (valid == 4 && (at & (4 * sizeof(T) - 1)) == 0) {  // one 4-element store
+    if (sizeof(T) == 4)
+      *reinterpret_cast<uint4*>(dst) = make_uint4(out.w[0], out.w[1], out.w[2], out.w[3]);
+    else
+      *reinterpret_cast<uint2*>(dst) = make_uint2(out.w[0], out.w[1]);
+  } else if (valid == 4 && (at & (2 * sizeof(T) - 1)) == 0) {  // two 2-element stores
+    if (sizeof(T) == 4) {
+      reinterpret_cast<uint2*>(dst)[0] = make_uint2(out.w[0], out.w[1]);
+      reinterpret_cast<uint2*>(dst)[1] = make_uint2(out.w[2], out.w[3]);
+    } else {
+      reinterpret_cast<u32*>(dst)[0] = out.w[0];
+      reinterpret_cast<u32*>(dst)[1] = out.w[1];
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (j < valid) dst[j] = out.e[j];
+  }
+  return bits;
 }
 
-// x split (split<kPasses>) into shared memory at element index e.
+// The 32-bit mask words of a warp's 128 consecutive bits, 4 per lane in lane
+// order (lane l holds bits 4l .. 4l + 3 in `nib`): word k of every lane.
+__device__ __forceinline__ void gather_words(u32 nib, int lane, u32 (&words)[4]) {
+  u32 w = nib << (4 * (lane & 7));
+  w |= __shfl_xor_sync(0xffffffffu, w, 1);
+  w |= __shfl_xor_sync(0xffffffffu, w, 2);
+  w |= __shfl_xor_sync(0xffffffffu, w, 4);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) words[k] = __shfl_sync(0xffffffffu, w, 8 * k);
+}
+
+// Three passes keep the small parts at fixed distances from the big ones, so
+// that one address serves both loads (an immediate offset): the patch's part
+// holds at most kPatchPart words, the weights' kWeightPart (depth <= 72).
+constexpr int kPatchPart = 4096;
+constexpr int kWeightStride = 72;  // words per depth row of the weights: (8t + g) % 32 distinct
+constexpr int kWeightPart = 72 * kWeightStride;
+
+// v[0] = the word at shared address addr (the big part), v[1] = the small one.
+template <int kParts, int kSmallBytes>
+__device__ __forceinline__ void lds(u32 addr, u32& big, u32& small) {
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(big) : "r"(addr));
+  if (kParts == 2)
+    asm volatile("ld.shared.u32 %0, [%1+%2];" : "=r"(small) : "r"(addr), "n"(kSmallBytes));
+}
+
+// x split (split<kPasses>) into shared memory: word e, the small part at e + small.
 template <int kPasses>
-__device__ __forceinline__ void put_split(u32* dst, int e, float x) {
-  u32 big, small;
-  split<kPasses>(x, big, small);
-  if (kPasses == 3) {
-    *reinterpret_cast<uint2*>(dst + 2 * e) = make_uint2(big, small);
-  } else {
-    dst[e] = big;
-  }
+__device__ __forceinline__ void put_split(u32* dst, int e, int small, float x) {
+  u32 big, lo;
+  split<kPasses>(x, big, lo);
+  dst[e] = big;
+  if (kPasses == 3) dst[e + small] = lo;
 }
 
 // Blocks per SM the registers must allow (the shared memory plan in
@@ -216,15 +276,15 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
   const bool one_chunk = p.cin <= p.cc;  // the weights stay for every tile
 
   // Shared memory (see _conv.tiling): koff [kc_pad] | the patch, [cc + 1]
-  // planes of PH x PW (the last one zero), whose space the epilogue tile
-  // reuses | the weights, [kc_pad][kBS] (k-major). With three passes every
-  // operand is a (big, small) pair of words: one 64-bit load gets both.
+  // planes of PH x PW (the last one zero), then with three passes its small
+  // parts at + kPatchPart; the epilogue tile reuses this space | the
+  // weights, [kc_pad][kWeightStride] (k-major), small parts at + kWeightPart.
   constexpr int kParts = kPasses == 3 ? 2 : 1;
-  constexpr int kBS = kParts == 2 ? 68 : 72;  // weight row stride: no bank conflicts
   int* koff = reinterpret_cast<int*>(smem);
   u32* patch = reinterpret_cast<u32*>(smem) + p.kc_pad;
-  const int patch_words = kParts * (p.cc + 1) * plane;
+  const int patch_words = kParts == 2 ? 2 * kPatchPart : (p.cc + 1) * plane;
   u32* bs = patch + (patch_words > kEpilogueFloats ? patch_words : kEpilogueFloats);
+  constexpr int kBS = kWeightStride;
 
   // koff: the byte offset of depth k in the patch (padding depth: the zero plane).
   for (int k = tid; k < p.kc_pad; k += kConvThreads) {
@@ -233,7 +293,7 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
       const int ci = k / khw, rs = k - ci * khw, r = rs / p.kw, s = rs - r * p.kw;
       off = ci * plane + r * p.dh * p.patch_w + s * p.dw;
     }
-    koff[k] = off * kParts * 4;
+    koff[k] = off * 4;
   }
 
   // Shared addresses of this thread's eight A rows (4 row tiles x g, g + 8)
@@ -247,9 +307,9 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
     for (int h = 0; h < 2; ++h) {
       const int ml = wm * 64 + i * 16 + g + h * 8;
       const int e = (ml >> p.c_log2) * p.sh * p.patch_w + (ml & (cols - 1)) * p.sw;
-      a_addr[i][h] = patch_addr + e * kParts * 4;
+      a_addr[i][h] = patch_addr + e * 4;
     }
-  const u32 b_addr = (u32)__cvta_generic_to_shared(bs) + (t * kBS + wn * 32 + g) * kParts * 4;
+  const u32 b_addr = (u32)__cvta_generic_to_shared(bs) + (t * kBS + wn * 32 + g) * 4;
 
   Params ap;  // the elementwise functor's scalars
   ap.slope = p.slope;
@@ -283,7 +343,7 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
       __syncthreads();  // the previous MMAs and epilogue are done with shared memory
       if (c0 == 0)
         for (int i = tid; i < plane; i += kConvThreads)
-          put_split<kPasses>(patch, p.cc * plane + i, 0.f);
+          put_split<kPasses>(patch, p.cc * plane + i, kPatchPart, 0.f);
       // The input patch of channels [c0, c0 + cc), zero outside the image.
       // NCHW: a warp per (channel, row), lanes along the row. NHWC: a warp
       // per row, a lane per column reading that column's cc channels, which
@@ -299,7 +359,7 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
 #pragma unroll 2
             for (int c = 0; c < p.cc; ++c) {
               const float v = ok && c0 + c < p.cin ? Num<T>::to_op(src[c]) : 0.f;
-              put_split<kPasses>(patch, (c * p.patch_h + pr) * p.patch_w + pc, v);
+              put_split<kPasses>(patch, (c * p.patch_h + pr) * p.patch_w + pc, kPatchPart, v);
             }
           }
         }
@@ -313,7 +373,7 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
             const int iw = iw_base + pc;
             const float v =
                 row_ok && (unsigned)iw < (unsigned)p.w_in ? Num<T>::to_op(src[iw]) : 0.f;
-            put_split<kPasses>(patch, row * p.patch_w + pc, v);
+            put_split<kPasses>(patch, row * p.patch_w + pc, kPatchPart, v);
           }
         }
       }
@@ -327,7 +387,7 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
             const float v = co < p.cout && k < kc && k_first + k < k_total
                                 ? Num<T>::to_op(w[(long long)co * k_total + k_first + k])
                                 : 0.f;
-            put_split<kPasses>(bs, k * kBS + r, v);
+            put_split<kPasses>(bs, k * kBS + r, kWeightPart, v);
           }
         }
       }
@@ -335,24 +395,19 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
 
       for (int k0 = 0; k0 < p.kc_pad; k0 += 8) {
         const u32 ko0 = koff[k0 + t], ko1 = koff[k0 + t + 4];
-        const u32 kb = b_addr + k0 * kBS * kParts * 4;
-        u32 a[2][4][4], b[2][4][2], v[2];
+        const u32 kb = b_addr + k0 * kBS * 4;
+        u32 a[2][4][4], b[2][4][2];
 #pragma unroll
         for (int i = 0; i < 4; ++i)
 #pragma unroll
-          for (int q = 0; q < 4; ++q) {  // q: (row g or g + 8) x (depth t or t + 4)
-            lds<kParts>(a_addr[i][q & 1] + (q < 2 ? ko0 : ko1), v);
-            a[0][i][q] = v[0];
-            a[1][i][q] = v[1];
-          }
+          for (int q = 0; q < 4; ++q)  // q: (row g or g + 8) x (depth t or t + 4)
+            lds<kParts, kPatchPart * 4>(a_addr[i][q & 1] + (q < 2 ? ko0 : ko1), a[0][i][q],
+                                        a[1][i][q]);
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
-          for (int q = 0; q < 2; ++q) {  // q: depth t or t + 4
-            lds<kParts>(kb + (q * 4 * kBS + j * 8) * kParts * 4, v);
-            b[0][j][q] = v[0];
-            b[1][j][q] = v[1];
-          }
+          for (int q = 0; q < 2; ++q)  // q: depth t or t + 4
+            lds<kParts, kWeightPart * 4>(kb + (q * 4 * kBS + j * 8) * 4, b[0][j][q], b[1][j][q]);
         mma_step<kPasses>(acc, a, b);
       }
     }
@@ -372,69 +427,68 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
         }
     __syncthreads();
 
-    // ... then out in warp-wide runs along memory: 32 positions of one output
-    // row and channel (NCHW; C >= 32, so a run never leaves its row) or 32
-    // channels of one position (NHWC). The valid lanes of a run are a prefix.
+    // ... then out: each lane takes 4 consecutive elements of a line of the
+    // tile (one 16-byte shared load), a line being one channel's 128
+    // positions (NCHW: R rows of C) or, per half-warp, one position's 64
+    // channels (NHWC). Values round to T, then bias, division and LeakyReLU
+    // (the elementwise functor); stores are as wide as alignment allows.
+    // Mask: each lane's 4 bits OR together across 8 lanes into the word of
+    // 32 consecutive elements, and write_mask places the words of each
+    // stretch of consecutive elements (an output row, a position).
+    const int lane4 = lane * 4;
     if (!kChannelsLast) {
-      const int per_row = cols >> 5;  // runs per output row: 1, 2 or 4
-      long long e0[kBM / 32];
-      int len[kBM / 32];  // valid lanes of each run; of its row, for a row's first run
-#pragma unroll
-      for (int u = 0; u < kBM / 32; ++u) {
-        const int oh = oh0 + ((u * 32) >> p.c_log2), ow = ow0 + ((u * 32) & (cols - 1));
-        len[u] = oh < p.oh ? max(0, min(32, p.ow - ow)) : 0;
-        e0[u] = (long long)n * p.cout * out_plane + (long long)oh * p.ow + ow;
-      }
-      T* y_lane = y + lane;
+      const int row = lane4 >> p.c_log2, col = lane4 & (cols - 1);  // this lane's
+      const int oh = oh0 + row, ow = ow0 + col;
+      const int valid = oh < p.oh ? max(0, min(4, p.ow - ow)) : 0;
+      const long long e_lane = (long long)n * p.cout * out_plane + (long long)oh * p.ow + ow;
+      // Per stretch (output row r of the tile): its first element and length.
+      const int per_row = cols >> 5;  // mask words per row: 1, 2 or 4
       for (int line = warp; line < kBN; line += kConvThreads / 32) {
         const int co = tile_n + line;
         if (co >= p.cout) break;  // (warp-uniform)
-        T b = Num<T>::zero();
-        if (bias) b = bias[co];
-        const long long shift = co * out_plane;
-        u32 bits[kBM / 32];
-#pragma unroll
-        for (int u = 0; u < kBM / 32; ++u) {
-          bool bit = false;
-          if (lane < len[u]) {
-            T v = Num<T>::from_op(ct[line * kCS + u * 32 + lane]);
-            if (bias) v = add_bias(v, b, alpha);
-            y_lane[e0[u] + shift] = op.forward(v, bit);
-          }
-          bits[u] = __ballot_sync(0xffffffffu, bit);
-        }
+        const float4 v4 = *reinterpret_cast<const float4*>(ct + line * kCS + lane4);
+        const u32 nib = store4_<false>(y, e_lane + co * out_plane, v4, valid, op, bias, co, alpha);
         if (p.mask) {
+          u32 words[4];
+          gather_words(nib, lane, words);
 #pragma unroll
-          for (int u = 0; u < kBM / 32; ++u)
+          for (int u = 0; u < 4; ++u)
             if (u % per_row == 0) {
-              int row_len = 0;
-#pragma unroll
-              for (int r = u; r < kBM / 32; ++r)
-                if (r < u + per_row) row_len += len[r];
-              write_mask<kBM / 32>(p.mask, lane, e0[u] + shift, row_len, bits, u, per_row);
+              const int r = (u * 32) >> p.c_log2;
+              const int len = oh0 + r < p.oh ? max(0, min(cols, p.ow - ow0)) : 0;
+              const long long e =
+                  ((long long)n * p.cout + co) * out_plane + (long long)(oh0 + r) * p.ow + ow0;
+              write_mask<4>(p.mask, lane, e, len, words, u, per_row);
             }
         }
       }
     } else {
-      const int len0 = max(0, min(32, p.cout - tile_n)),
-                len1 = max(0, min(32, p.cout - tile_n - 32));
-      for (int line = warp; line < kBM; line += kConvThreads / 32) {
-        const int oh = oh0 + (line >> p.c_log2), ow = ow0 + (line & (cols - 1));
-        if (oh >= p.oh || ow >= p.ow) continue;  // (warp-uniform)
+      const int half = lane >> 4, c4 = (lane & 15) * 4;  // position line + half, channels c4..
+      const int co = tile_n + c4;
+      const int valid = max(0, min(4, p.cout - co));
+      const int len = max(0, min(kBN, p.cout - tile_n));
+      for (int line = warp * 2; line < kBM; line += kConvThreads / 16) {
+        const int ml = line + half;
+        const int oh = oh0 + (ml >> p.c_log2), ow = ow0 + (ml & (cols - 1));
+        const bool pos_ok = oh < p.oh && ow < p.ow;
         const long long row = (((long long)n * p.oh + oh) * p.ow + ow) * p.cout;
-        u32 bits[kBN / 32];
-#pragma unroll
-        for (int u = 0; u < kBN / 32; ++u) {
-          const int co = tile_n + u * 32 + lane;
-          bool bit = false;
-          if (lane < (u ? len1 : len0)) {
-            T v = Num<T>::from_op(ct[line * kCSL + u * 32 + lane]);
-            if (bias) v = add_bias(v, bias[co], alpha);
-            y[row + co] = op.forward(v, bit);
-          }
-          bits[u] = __ballot_sync(0xffffffffu, bit);
+        const float4 v4 = *reinterpret_cast<const float4*>(ct + ml * kCSL + c4);
+        const u32 nib = store4_<true>(y, row + co, v4, pos_ok ? valid : 0, op, bias, co, alpha);
+        if (p.mask) {
+          u32 words[4];
+          gather_words(nib, lane, words);
+          // the two positions' stretches: words 0-1 and 2-3
+          const int ml0 = line, ml1 = line + 1;
+          const int oh_a = oh0 + (ml0 >> p.c_log2), ow_a = ow0 + (ml0 & (cols - 1));
+          const int oh_b = oh0 + (ml1 >> p.c_log2), ow_b = ow0 + (ml1 & (cols - 1));
+          const bool ok_a = oh_a < p.oh && ow_a < p.ow, ok_b = oh_b < p.oh && ow_b < p.ow;
+          write_mask<4>(p.mask, lane,
+                        (((long long)n * p.oh + oh_a) * p.ow + ow_a) * p.cout + tile_n,
+                        ok_a ? len : 0, words, 0, 2);
+          write_mask<4>(p.mask, lane,
+                        (((long long)n * p.oh + oh_b) * p.ow + ow_b) * p.cout + tile_n,
+                        ok_b ? len : 0, words, 2, 2);
         }
-        if (p.mask) write_mask<kBN / 32>(p.mask, lane, row + tile_n, len0 + len1, bits, 0, 2);
       }
     }
   }

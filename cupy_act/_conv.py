@@ -138,22 +138,28 @@ class Tiling(NamedTuple):
 
 EPILOGUE_FLOATS = max(TILE_M * (TILE_N + 4), TILE_N * (TILE_M + 4))  # kEpilogueFloats
 EPILOGUE_BYTES = 4 * EPILOGUE_FLOATS
-WEIGHT_STRIDE = {1: 72, 2: 68}  # kBS: words per depth row of the weights, by parts
+WEIGHT_STRIDE = 72  # kWeightStride: words per depth row of the weights
+PATCH_PART = 4096  # kPatchPart: words of the patch per part, with three passes
+WEIGHT_PART = 72 * WEIGHT_STRIDE  # kWeightPart: the weights' part (depth <= 72)
 # Shared memory per block that lets the registers' occupancy fit an sm_90 SM
 # (228 KiB, 1 KiB reserved per block): four blocks with one pass, three with
 # three (conv2d.cu's launch bounds).
-SMEM_TARGET = {1: 56 * 1024, 3: 75 * 1024}
+SMEM_TARGET = {1: 56 * 1024, 3: 76800}
 SMEM_MAX = 99 * 1024  # the most every sm_80+ device gives one block
 
 
 def tiling(g: Geometry, n_passes: int) -> Tiling | None:
     """The widest rectangle (C = 128, 64 or 32, at least the output width where
     possible) and the fewest, evenly sized channel chunks whose shared memory
-    stays within SMEM_TARGET (or SMEM_MAX); None if nothing fits. Three passes
-    store every operand as two parts."""
-    parts = 2 if n_passes == 3 else 1
+    stays within SMEM_TARGET (or SMEM_MAX with one pass); None if nothing fits.
+
+    Three passes keep each operand's small parts at a fixed distance from the
+    big ones (conv2d.cu): the patch part within PATCH_PART words, the depth
+    per chunk within 72.
+    """
     c_log2 = 5 if g.ow <= 32 else 6 if g.ow <= 64 else 7
-    for limit in (SMEM_TARGET[n_passes], SMEM_MAX):
+    limits = (SMEM_TARGET[n_passes],) if n_passes == 3 else (SMEM_TARGET[1], SMEM_MAX)
+    for limit in limits:
         for c in range(c_log2, 4, -1):
             rows = TILE_M >> c
             ph = (rows - 1) * g.stride[0] + (g.kh - 1) * g.dilation[0] + 1
@@ -161,12 +167,16 @@ def tiling(g: Geometry, n_passes: int) -> Tiling | None:
             for cc in range(min(g.cin, 64), 0, -1):
                 cc = -(-g.cin // -(-g.cin // cc))  # the same chunk count, evenly split
                 kc_pad = -(-cc * g.kh * g.kw // 8) * 8
-                # koff table | patch, or the epilogue tile in its place | weights
-                patch = max(parts * (cc + 1) * ph * pw, EPILOGUE_FLOATS)
-                smem = 4 * (kc_pad + patch + parts * kc_pad * WEIGHT_STRIDE[parts])
-                if smem <= limit:
+                part = (cc + 1) * ph * pw
+                if n_passes == 3:
+                    if part > PATCH_PART or kc_pad > 72:
+                        continue
+                    words = kc_pad + max(2 * PATCH_PART, EPILOGUE_FLOATS) + 2 * WEIGHT_PART
+                else:
+                    words = kc_pad + max(part, EPILOGUE_FLOATS) + kc_pad * WEIGHT_STRIDE
+                if 4 * words <= limit:
                     tiles = (-(-g.oh // rows), -(-g.ow // (1 << c)))
-                    return Tiling(c, *tiles, cc, kc_pad, ph, pw, smem)
+                    return Tiling(c, *tiles, cc, kc_pad, ph, pw, 4 * words)
     return None
 
 
