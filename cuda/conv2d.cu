@@ -168,12 +168,30 @@ __device__ __forceinline__ void mma_step(float (&acc)[4][4][4], const u32 (&a)[2
     for (int j = 0; j < 4; ++j) mma_tf32(acc[i][j], a[0][i], b[0][j]);
 }
 
-// The epilogue of 4 consecutive output elements at y[e], of which the first
+// 4 consecutive elements from a (4 * sizeof(T))-byte aligned address, as floats.
+template <typename T>
+__device__ __forceinline__ void load4(const T* src, float (&v)[4]) {
+  union {
+    T e[4];
+    u32 w[sizeof(T)];
+  } in;
+  if (sizeof(T) == 4) {
+    const uint4 r = *reinterpret_cast<const uint4*>(src);
+    in.w[0] = r.x, in.w[1] = r.y, in.w[2] = r.z, in.w[3] = r.w;
+  } else {
+    const uint2 r = *reinterpret_cast<const uint2*>(src);
+    in.w[0] = r.x, in.w[1] = r.y;
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) v[j] = Num<T>::to_op(in.e[j]);
+}
+
+// The epilogue of 4 consecutive output elements at dst, of which the first
 // `valid` exist: round to T, add the channel's bias (bias[co + j] for a run
 // of channels when kPerChannel, else bias[co]), then op.forward. Stores as
 // wide as e's alignment allows; returns the 4 mask bits (element j: bit j).
 template <bool kPerChannel, typename T, typename Op>
-__device__ __forceinline__ u32 store4_(T* y, long long e, const float4& v4, int valid, const Op& op,
+__device__ __forceinline__ u32 store4_(T* dst, const float4& v4, int valid, const Op& op,
                                        const T* bias, int co, typename Num<T>::op_t alpha) {
   const float in[4] = {v4.x, v4.y, v4.z, v4.w};
   union {
@@ -191,7 +209,6 @@ __device__ __forceinline__ u32 store4_(T* y, long long e, const float4& v4, int 
     out.e[j] = op.forward(v, bit);
     bits |= (u32)(bit && j < valid) << j;
   }
-  T* dst = y + e;
   const u64 at = (u64)dst;
   if (valid == 4 && (at & (4 * sizeof(T) - 1)) == 0) {  // one 4-element store
     if (sizeof(T) == 4)
@@ -364,16 +381,41 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
           }
         }
       } else {
+        // Where the rows' 4-element vectors line up with the patch columns
+        // (16 bytes for float32, 8 for 16-bit types), a lane takes 4 columns
+        // per load.
+        const bool vec =
+            (p.w_in & 3) == 0 && (iw_base & 3) == 0 && ((u64)x & (4 * sizeof(T) - 1)) == 0;
         for (int row = warp; row < p.cc * p.patch_h; row += kConvThreads / 32) {
           const int c = row / p.patch_h, ih = ih_base + row - c * p.patch_h;
           const bool row_ok = (unsigned)ih < (unsigned)p.h && c0 + c < p.cin;
           const T* src = xn + ((c0 + c) * p.h + ih) * p.w_in;
+          u32* dst = patch + row * p.patch_w;
+          if (vec) {
+            for (int pc = lane * 4; pc < p.patch_w; pc += 128) {
+              const int iw = iw_base + pc;
+              float v[4];
+              if (row_ok && iw >= 0 && iw + 3 < p.w_in) {
+                load4(src + iw, v);
+              } else {
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                  v[j] = row_ok && (unsigned)(iw + j) < (unsigned)p.w_in
+                             ? Num<T>::to_op(src[iw + j])
+                             : 0.f;
+              }
+#pragma unroll
+              for (int j = 0; j < 4; ++j)
+                if (pc + j < p.patch_w) put_split<kPasses>(dst, pc + j, kPatchPart, v[j]);
+            }
+          } else {
 #pragma unroll 4
-          for (int pc = lane; pc < p.patch_w; pc += 32) {
-            const int iw = iw_base + pc;
-            const float v =
-                row_ok && (unsigned)iw < (unsigned)p.w_in ? Num<T>::to_op(src[iw]) : 0.f;
-            put_split<kPasses>(patch, row * p.patch_w + pc, kPatchPart, v);
+            for (int pc = lane; pc < p.patch_w; pc += 32) {
+              const int iw = iw_base + pc;
+              const float v =
+                  row_ok && (unsigned)iw < (unsigned)p.w_in ? Num<T>::to_op(src[iw]) : 0.f;
+              put_split<kPasses>(dst, pc, kPatchPart, v);
+            }
           }
         }
       }
@@ -438,28 +480,29 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
     const int lane4 = lane * 4;
     if (!kChannelsLast) {
       const int row = lane4 >> p.c_log2, col = lane4 & (cols - 1);  // this lane's
-      const int oh = oh0 + row, ow = ow0 + col;
-      const int valid = oh < p.oh ? max(0, min(4, p.ow - ow)) : 0;
-      const long long e_lane = (long long)n * p.cout * out_plane + (long long)oh * p.ow + ow;
-      // Per stretch (output row r of the tile): its first element and length.
-      const int per_row = cols >> 5;  // mask words per row: 1, 2 or 4
-      for (int line = warp; line < kBN; line += kConvThreads / 32) {
-        const int co = tile_n + line;
-        if (co >= p.cout) break;  // (warp-uniform)
+      const int valid = oh0 + row < p.oh ? max(0, min(4, p.ow - ow0 - col)) : 0;
+      // Element of channel tile_n, tile row 0, column 0; output rows of the
+      // tile inside the image and their valid columns (a stretch each).
+      const long long e_tile =
+          ((long long)n * p.cout + tile_n) * out_plane + (long long)oh0 * p.ow + ow0;
+      T* y_lane = y + e_tile + row * p.ow + col;
+      const int rows = min(kBM >> p.c_log2, p.oh - oh0), row_len = min(cols, p.ow - ow0);
+      const int per_row = cols >> 5;  // mask words per output row: 1, 2 or 4
+      const int lines = min(kBN, p.cout - tile_n);
+      for (int line = warp; line < lines; line += kConvThreads / 32) {
         const float4 v4 = *reinterpret_cast<const float4*>(ct + line * kCS + lane4);
-        const u32 nib = store4_<false>(y, e_lane + co * out_plane, v4, valid, op, bias, co, alpha);
+        const u32 nib =
+            store4_<false>(y_lane + line * out_plane, v4, valid, op, bias, tile_n + line, alpha);
         if (p.mask) {
           u32 words[4];
           gather_words(nib, lane, words);
+          const long long e_line = e_tile + line * out_plane;
 #pragma unroll
-          for (int u = 0; u < 4; ++u)
-            if (u % per_row == 0) {
-              const int r = (u * 32) >> p.c_log2;
-              const int len = oh0 + r < p.oh ? max(0, min(cols, p.ow - ow0)) : 0;
-              const long long e =
-                  ((long long)n * p.cout + co) * out_plane + (long long)(oh0 + r) * p.ow + ow0;
-              write_mask<4>(p.mask, lane, e, len, words, u, per_row);
-            }
+          for (int u = 0; u < 4; ++u) {
+            const int r = u / per_row;
+            if (u % per_row == 0 && r < rows)
+              write_mask<4>(p.mask, lane, e_line + r * p.ow, row_len, words, u, per_row);
+          }
         }
       }
     } else {
@@ -473,7 +516,7 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
         const bool pos_ok = oh < p.oh && ow < p.ow;
         const long long row = (((long long)n * p.oh + oh) * p.ow + ow) * p.cout;
         const float4 v4 = *reinterpret_cast<const float4*>(ct + ml * kCSL + c4);
-        const u32 nib = store4_<true>(y, row + co, v4, pos_ok ? valid : 0, op, bias, co, alpha);
+        const u32 nib = store4_<true>(y + row + co, v4, pos_ok ? valid : 0, op, bias, co, alpha);
         if (p.mask) {
           u32 words[4];
           gather_words(nib, lane, words);
