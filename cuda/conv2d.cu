@@ -117,29 +117,25 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const u32 (&a)[4], const
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// The mask words of elements [e, e + len), consecutive, whose bits are the
-// runs bits[first], ..., bits[first + count - 1] (bit i of the stream is
-// element e + i; count * 32 >= len; invalid elements' bits are 0). Lane j
-// writes word (e >> 5) + j: stored if the elements cover all of it, else
-// OR-ed in atomically (a neighbouring warp or block owns its other bits;
-// the buffer starts zeroed, so zero words are skipped). Warp-uniform call.
-template <int kMax>
-__device__ __forceinline__ void write_mask(u32* mask, int lane, long long e, int len,
-                                           const u32 (&bits)[kMax], int first, int count) {
+// The mask words of elements [e, e + len), consecutive: bits 32k .. 32k + 31
+// of the stream (bit i is element e + i) are the word `w` of lanes 8 * (first
+// + k) (see gather_word), count words in all; invalid elements' bits are 0.
+// Lane j writes word (e >> 5) + j: stored if the elements cover all of it,
+// else OR-ed in atomically (a neighbouring warp or block owns its other
+// bits; the buffer starts zeroed, so zero words are skipped). Warp-uniform.
+__device__ __forceinline__ void write_mask(u32* mask, int lane, long long e, int len, u32 w,
+                                           int first, int count) {
+  // word j = (bits[j] << sh) | (bits[j - 1] >> (32 - sh)), bits[-1] = bits[count] = 0
+  u32 hi = __shfl_sync(0xffffffffu, w, (8 * (first + lane)) & 31);
+  u32 lo = __shfl_sync(0xffffffffu, w, (8 * (first + lane - 1)) & 31);
   if (len <= 0) return;
+  if (lane >= count) hi = 0;
+  if (lane == 0 || lane > count) lo = 0;
   const int sh = (int)(e & 31);
   const long long w0 = e >> 5;
   const int words = (int)(((e + len - 1) >> 5) - w0) + 1;
-  if (lane >= words) return;
-  u32 hi = 0, lo = 0;  // word j = (bits[j] << sh) | (bits[j - 1] >> (32 - sh))
-#pragma unroll
-  for (int r = 0; r < kMax; ++r)
-    if (r >= first && r < first + count) {
-      if (lane == r - first) hi = bits[r];
-      if (lane == r - first + 1) lo = bits[r];
-    }
   const u32 word = __funnelshift_l(lo, hi, sh);
-  if (word == 0u) return;
+  if (lane >= words || word == 0u) return;
   const long long wi = w0 + lane;
   if ((wi << 5) >= e && ((wi + 1) << 5) <= e + len)
     mask[wi] = word;
@@ -232,14 +228,13 @@ __device__ __forceinline__ u32 store4_(T* dst, const float4& v4, int valid, cons
 }
 
 // The 32-bit mask words of a warp's 128 consecutive bits, 4 per lane in lane
-// order (lane l holds bits 4l .. 4l + 3 in `nib`): word k of every lane.
-__device__ __forceinline__ void gather_words(u32 nib, int lane, u32 (&words)[4]) {
+// order (lane l holds bits 4l .. 4l + 3 in `nib`): lane l gets word l / 8.
+__device__ __forceinline__ u32 gather_word(u32 nib, int lane) {
   u32 w = nib << (4 * (lane & 7));
   w |= __shfl_xor_sync(0xffffffffu, w, 1);
   w |= __shfl_xor_sync(0xffffffffu, w, 2);
   w |= __shfl_xor_sync(0xffffffffu, w, 4);
-#pragma unroll
-  for (int k = 0; k < 4; ++k) words[k] = __shfl_sync(0xffffffffu, w, 8 * k);
+  return w;
 }
 
 // Three passes keep the small parts at fixed distances from the big ones, so
@@ -494,15 +489,10 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
         const u32 nib =
             store4_<false>(y_lane + line * out_plane, v4, valid, op, bias, tile_n + line, alpha);
         if (p.mask) {
-          u32 words[4];
-          gather_words(nib, lane, words);
+          const u32 word = gather_word(nib, lane);
           const long long e_line = e_tile + line * out_plane;
-#pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            const int r = u / per_row;
-            if (u % per_row == 0 && r < rows)
-              write_mask<4>(p.mask, lane, e_line + r * p.ow, row_len, words, u, per_row);
-          }
+          for (int r = 0; r < rows; ++r)  // (rows <= 4: one stretch per output row)
+            write_mask(p.mask, lane, e_line + r * p.ow, row_len, word, r * per_row, per_row);
         }
       }
     } else {
@@ -518,19 +508,16 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
         const float4 v4 = *reinterpret_cast<const float4*>(ct + ml * kCSL + c4);
         const u32 nib = store4_<true>(y + row + co, v4, pos_ok ? valid : 0, op, bias, co, alpha);
         if (p.mask) {
-          u32 words[4];
-          gather_words(nib, lane, words);
+          const u32 word = gather_word(nib, lane);
           // the two positions' stretches: words 0-1 and 2-3
           const int ml0 = line, ml1 = line + 1;
           const int oh_a = oh0 + (ml0 >> p.c_log2), ow_a = ow0 + (ml0 & (cols - 1));
           const int oh_b = oh0 + (ml1 >> p.c_log2), ow_b = ow0 + (ml1 & (cols - 1));
           const bool ok_a = oh_a < p.oh && ow_a < p.ow, ok_b = oh_b < p.oh && ow_b < p.ow;
-          write_mask<4>(p.mask, lane,
-                        (((long long)n * p.oh + oh_a) * p.ow + ow_a) * p.cout + tile_n,
-                        ok_a ? len : 0, words, 0, 2);
-          write_mask<4>(p.mask, lane,
-                        (((long long)n * p.oh + oh_b) * p.ow + ow_b) * p.cout + tile_n,
-                        ok_b ? len : 0, words, 2, 2);
+          write_mask(p.mask, lane, (((long long)n * p.oh + oh_a) * p.ow + ow_a) * p.cout + tile_n,
+                     ok_a ? len : 0, word, 0, 2);
+          write_mask(p.mask, lane, (((long long)n * p.oh + oh_b) * p.ow + ow_b) * p.cout + tile_n,
+                     ok_b ? len : 0, word, 2, 2);
         }
       }
     }
