@@ -7,16 +7,18 @@
 //   rows    m = output positions (n, oh, ow)
 //   columns j = output channels co
 //   depth   k = (ci, kh, kw), the weight's OIHW order
-// Each 128-thread block computes a 128 x 64 tile: 128 output positions, a
-// rectangle of R rows x C columns (C = 32, 64 or 128, R = 128 / C) of one
-// image, for 64 output channels. It walks the input channels in chunks of cc:
-// per chunk it copies the input patch under the rectangle (cc planes of
-// PH x PW, zero where the padding is) and the chunk's weights (64 x cc*kH*kW)
-// into shared memory with plain coalesced loads, then runs the MMAs from
-// there. The A operand needs no per-element index arithmetic: the patch offset
-// of (m, k) is moff(m) + koff(k), moff in registers, koff from a table built
-// once per block. Depth padded up to a multiple of 8 points koff at a plane
-// of zeros (so inf and NaN in x never meet a padding weight).
+// A persistent grid: each 128-thread block walks output tiles of 128
+// positions (a rectangle of R rows x C columns of one image, C = 32, 64 or
+// 128, R = 128 / C) by 64 channels. Per tile and chunk of cc input channels
+// it copies the input patch under the rectangle (cc planes of PH x PW, zero
+// where the padding is) into shared memory with plain coalesced loads, and
+// the chunk's weights (kept for every tile when one chunk holds all input
+// channels), then runs the MMAs from shared memory. The A operand needs no
+// per-element index arithmetic: the patch offset of (m, k) is moff(m) +
+// koff(k), moff fixed per thread, koff from a table built once per block.
+// Depth padded up to a multiple of 8 points koff at a plane of zeros, so inf
+// and NaN in x never meet a padding weight. Operands are converted (and, with
+// three passes, split) once, when they are copied in.
 //
 // Precision. kPasses = 3 is the 3xTF32 split: every float a is a_big + a_small
 // with a_big = tf32(a) and a_small = tf32(a - a_big), and a * b is summed as
@@ -27,20 +29,22 @@
 // TF32 (10-bit mantissas, what cuDNN and torch.compile use with TF32 allowed).
 // float16 and bfloat16 inputs convert to float exactly and fit TF32 exactly,
 // so one pass gives exact products with float32 accumulation.
-// Non-finite inputs: the correction terms take inf and NaN operands as 0, so
-// only a_big * b_big carries them and they propagate as in an FP32 sum
-// (inf * 0 = NaN, inf - inf = NaN). |a| within 2^-11 of FLT_MAX rounds to inf.
+// Non-finite inputs: see split(); they propagate as in an FP32 sum (inf * 0 =
+// NaN, inf - inf = NaN), except that a product of two non-finite operands
+// (inf in x under an inf weight) gives NaN. |a| within 2^-11 of FLT_MAX
+// rounds to inf.
 //
-// Epilogue. The tile goes through shared memory so that each warp then holds
-// 32 consecutive output elements of one channel (NCHW) or one position
-// (NHWC): stores are coalesced, and the mask bits of a run come from one
-// ballot. The value is rounded to T (the convolution's output), then bias,
-// division and LeakyReLU are the elementwise op's own functor and add_bias,
-// so they round exactly as eager PyTorch's separate ops do.
+// Epilogue. The tile goes through shared memory so that each lane then holds
+// 4 consecutive output elements (of one channel's row for NCHW, of one
+// position's channels for NHWC): loads from shared memory and stores are 16
+// bytes wide where alignment allows. The value is rounded to T (the
+// convolution's output), then bias, division and LeakyReLU are the
+// elementwise op's own functor and add_bias, so they round exactly as eager
+// PyTorch's separate ops do.
 //
 // Mask: the format of elementwise.cu (bit i % 32 of word i / 32 is element i,
-// in the output's memory order). The buffer is zeroed before the launch. The
-// ballots of one output row (NCHW) or position (NHWC) of the tile are
+// in the output's memory order). The buffer is zeroed before the launch.
+// The bits of one output row (NCHW) or position (NHWC) of the tile are
 // consecutive elements: a word they cover entirely is stored, the words at
 // either end are OR-ed in atomically, since a neighbour owns their other bits.
 #include "numerics.cuh"

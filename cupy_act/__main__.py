@@ -156,11 +156,12 @@ def main(argv=None) -> int:
         _say("CPU checks passed." if not failures else f"{failures} CPU check(s) FAILED.")
         return 1 if failures else 0
 
-    from . import _loader
+    from . import _conv, _loader
 
     if args.precompile:
         t0 = time.perf_counter()
         _loader.load(cupy.cuda.runtime.getDevice())
+        _conv.load(cupy.cuda.runtime.getDevice())
         _say(f"cupy_act: compiled or loaded all kernels in {time.perf_counter() - t0:.2f} s")
     try:
         import torch  # noqa: F401

@@ -228,6 +228,12 @@ def kernel(device: int, dtype: str, n_passes: int, channels_last: bool) -> ConvK
     return _kernels[key]
 
 
+def load(device: int) -> None:
+    """Compile or load every fused-convolution module for ``device`` now."""
+    for dtype in DTYPES:
+        kernel(device, dtype, *module_keys(dtype)[0][1:])
+
+
 def _blocks(device: int, k: ConvKernel, smem: int) -> int:
     """Blocks of ``k`` resident at once on the device: the persistent grid."""
     key = (device, k.ptr, smem)

@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python scripts/bench.py [--out bench_out] [--dtypes float32 ...]
                                          [--max-log2 31] [--no-conv] [--no-compile]
+                                         [--max-autotune]
 
 Everything is measured in one run, per dtype and size (1-D tensors of 2^16 to
 2^31 elements, stepping by 4x, and the 4096 x 393216 reference shape):
@@ -22,7 +23,9 @@ bytes, each tensor read or written once, the mask N/8 bytes); "%copy" is that
 bandwidth over the copy's in the same run. Ratios are speedups (their time over
 ours). Inputs are random normal numbers; our outputs are checked bit for bit
 against eager at every size. A ConvDivLeakyReLU section times the reference
-model (batch 128, 8 -> 64 channels, 3x3, 128x128, divisor 2). The targets of
+model (batch 128, 8 -> 64 channels, 3x3, 128x128, divisor 2), and
+scripts/conv_bench.py times every conv2d_div_leaky_relu algorithm at five
+shapes (--max-autotune adds torch.compile max-autotune there). The targets of
 docs/benchmarks.md are evaluated last. Writes results.json, results.csv,
 results.md (the tables in Markdown) and bench.png under --out.
 """
@@ -37,7 +40,9 @@ import platform
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import conv_bench  # scripts/conv_bench.py, next to this script
 import torch
 import torch.nn.functional as F
 
@@ -634,6 +639,7 @@ def main() -> None:
     ap.add_argument("--max-log2", type=int, default=31)
     ap.add_argument("--no-conv", action="store_true")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--max-autotune", action="store_true", help="conv: torch.compile max-autotune")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -661,8 +667,14 @@ def main() -> None:
     for name in args.dtypes:
         bench.run_dtype(getattr(torch, name))
     conv = [] if args.no_conv else bench.run_conv()
+    algos, algo_targets = [], []
+    if not args.no_conv:  # every conv algorithm at five shapes (scripts/conv_bench.py)
+        opts = SimpleNamespace(no_compile=args.no_compile, max_autotune=args.max_autotune, iters=20)
+        for name in conv_bench.SHAPES:
+            algos += conv_bench.run_shape(name, conv_bench.SHAPES[name], opts)
+        algo_targets = conv_bench.targets(algos, meta["gpu"])
     print_tables(bench.rows)
-    res = targets(bench.rows, conv)
+    res = targets(bench.rows, conv) + algo_targets
     print("\ntargets (4096 x 393216 unless a size is named)")
     for desc, value, goal, ok in res:
         print(f"  {'PASS' if ok else 'MISS'}  {desc}: {value:.3f} (goal {goal})")
@@ -675,6 +687,7 @@ def main() -> None:
                 meta=meta,
                 rows=bench.rows,
                 conv=conv,
+                conv_algorithms=algos,
                 targets=[dict(target=d, value=v, goal=g, met=ok) for d, v, g, ok in res],
             ),
             indent=1,
@@ -685,7 +698,10 @@ def main() -> None:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         w.writerows(bench.rows)
-    (out / "results.md").write_text(markdown(meta, bench.rows, conv, res))
+    md = markdown(meta, bench.rows, conv, res)
+    if algos:
+        md += "\n### conv2d_div_leaky_relu, every algorithm\n\n" + conv_bench.markdown(algos, [])
+    (out / "results.md").write_text(md)
     plot(bench.rows, out / "bench.png")
     print(f"wrote {out}/results.json, results.csv, results.md, bench.png")
 

@@ -1,7 +1,9 @@
 """The conv -> divide -> LeakyReLU block: every algorithm against eager and torch.compile.
 
     PYTHONPATH=. python scripts/conv_bench.py [--shapes ref stem ...] [--max-autotune]
-                                              [--no-compile] [--json out.json]
+                                              [--no-compile] [--json out.json] [--markdown out.md]
+
+(scripts/bench.py runs it too, for every shape.)
 
 Block: ``leaky_relu(conv2d(x, w, b, stride, padding) / 2, 0.01)``, float32,
 NCHW, PyTorch's default Conv2d initialisation and a random normal input.
@@ -143,6 +145,24 @@ def targets(rows, gpu: str) -> list[tuple[str, float, float, bool]]:
     return out
 
 
+def markdown(rows, res) -> str:
+    """The rows and targets as Markdown tables (docs/benchmarks.md)."""
+    L = [
+        "| shape | algorithm | forward ms | x floor | fwd+bwd ms | max err vs float64 | saved MB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        impl = r["impl"] + (f" ({', '.join(r['picked'])})" if r.get("picked") else "")
+        L.append(
+            f"| {r['shape']} | {impl} | {r['forward_ms']:.3f} | {r['x_floor']:.2f} | "
+            f"{r['fwd_bwd_ms']:.3f} | {r['max_err']:.2e} | {r['saved_mb']:.1f} |"
+        )
+    L += ["", "| target (reference shape) | measured | goal | |", "|---|---|---|---|"]
+    for desc, value, goal, ok in res:
+        L.append(f"| {desc} | {value:.3f} | {goal} | {'met' if ok else '**missed**'} |")
+    return "\n".join(L) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -150,6 +170,7 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json")
+    ap.add_argument("--markdown", help="write the tables as Markdown here")
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}  torch {torch.__version__}", flush=True)
@@ -167,6 +188,9 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=gpu, torch=torch.__version__, rows=rows, targets=res), f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(rows, res))
     assert all(math.isfinite(r["forward_ms"]) for r in rows)
 
 

@@ -4,7 +4,7 @@
 # suite (tables, JSON, CSV, plot under $OUT/bench) and the call-overhead table.
 # Logs go to $OUT; a summary is last.
 # Usage (GPU machine, repository root):
-#   [PARTS="conformance tests sanitizer bench overhead selfcheck cold cpu models kernelbench"] \
+#   [PARTS="conformance tests sanitizer bench overhead selfcheck cold cpu models kernelbench convbench"] \
 #     [BASE=dir] [OVERHEAD_RUNS=2] \
 #     [TUNE=1] \
 #     bash scripts/device_run.sh
@@ -49,6 +49,11 @@ if has sanitizer; then
     tests/test_ops_gpu.py -k "contiguous-33- or misaligned-129- or step2-31- or transposed-4097- or (test_bias_bit_exact and not large)" \
     > "$OUT/sanitizer.log" 2>&1
   echo "sanitizer rc=$?" >> "$OUT/sanitizer.log"
+  # the fused convolution: masks over broken and whole words, both layouts, odd shapes
+  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_conv.py -k "mask_decodes or empty_batch or (accuracy and (case3- or case17-))" \
+    > "$OUT/sanitizer_conv.log" 2>&1
+  echo "sanitizer rc=$?" >> "$OUT/sanitizer_conv.log"
 fi
 if has bench; then
   timeout ${BENCH_TIMEOUT:-330} python3 scripts/bench.py --out "$OUT/bench" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
@@ -76,6 +81,10 @@ fi
 if has kernelbench; then  # the KernelBench seed problems with KernelBench's protocol
   timeout 300 python3 scripts/kernelbench.py --json "$OUT/kernelbench.json" > "$OUT/kernelbench.log" 2>&1
 fi
+if has convbench; then  # every conv2d_div_leaky_relu algorithm at five shapes
+  timeout ${CONV_TIMEOUT:-540} python3 scripts/conv_bench.py ${CONV_ARGS:-} --json "$OUT/conv.json" \
+    --markdown "$OUT/conv.md" > "$OUT/conv.log" 2>&1
+fi
 if has models; then  # training real models: eager, floor, ours, compiled (slow: compiles)
   timeout ${MODELS_TIMEOUT:-540} python3 scripts/models.py --json "$OUT/models.json" ${MODELS_ARGS:-} \
     > "$OUT/models.log" 2>&1
@@ -90,6 +99,8 @@ for f in conf_a conf_b conf_2gpu conformance pytest; do
     grep -E "^FAILED|^ERROR" "$OUT/$f.log" | head -20; }
 done
 [ -f "$OUT/sanitizer.log" ] && grep -E "ERROR SUMMARY|passed|failed|rc=" "$OUT/sanitizer.log" | tail -n 4
+[ -f "$OUT/sanitizer_conv.log" ] && grep -E "ERROR SUMMARY|passed|failed|rc=" "$OUT/sanitizer_conv.log" | tail -n 4
+[ -f "$OUT/conv.log" ] && grep -E "fwd|PASS|MISS" "$OUT/conv.log"
 [ -f "$OUT/bench.log" ] && grep -E "^  (PASS|MISS)|targets met|conv" "$OUT/bench.log"
 [ -f "$OUT/overhead.log" ] && grep -E "^==|fwd|floor|in place|_relu|anchors" "$OUT/overhead.log"
 [ -f "$OUT/selfcheck.log" ] && grep -E "passed|FAILED|MISMATCH|copy|cupy_act |torch |rc=" "$OUT/selfcheck.log"

@@ -281,7 +281,7 @@ def _layout(t, cl):
         (torch.bfloat16, "fused"),
     ],
 )
-@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"case{i}" for i in range(len(CASES))])
 def test_fused_forward_accuracy(case, dtype, algorithm, cl):
     xs, ws, stride, padding, dilation = CASES[case]
     x, w, b = _xwb(xs, ws, "cuda", dtype, seed=case)
@@ -504,3 +504,18 @@ def test_cupy_entry_matches_the_torch_path(cl, precision):
         cupy_act.conv2d_div_leaky_relu(cx, cupy.from_dlpack(w), precision="fp16")
     with pytest.raises(TypeError, match="float64"):
         cupy_act.conv2d_div_leaky_relu(cx.astype(cupy.float64), cupy.from_dlpack(w))
+
+
+@gpu
+def test_conv_bench_script(tmp_path):
+    """scripts/conv_bench.py runs end to end (one small shape, no compile)."""
+    from conftest import run_json
+
+    args = ["--no-compile", "--shapes", "16to32", "--iters", "2"]
+    out = run_json(
+        "conv_bench.py", [*args, "--markdown", str(tmp_path / "c.md")], tmp_path / "c.json"
+    )
+    impls = [r["impl"] for r in out["rows"]]
+    assert impls == ["eager", *["exact", "channels_last", "fused", "fused_tf32", "auto"]]
+    assert all(r["forward_ms"] > 0 and r["max_err"] < 1e-2 for r in out["rows"])
+    assert "| 16to32 | fused |" in (tmp_path / "c.md").read_text()

@@ -271,19 +271,32 @@ def candidates(dtype: torch.dtype, allow_tf32: bool) -> tuple[str, ...]:
 
 def _choose(x, weight, bias, divisor, slope, stride, pad, dilation, padding, allow_tf32) -> str:
     """The cached or newly measured fastest candidate for this call's shape."""
-    fusable = _fusable(x, weight, pad, stride, dilation)
     if not x.is_cuda:
         return "exact"
-    key = (x.device, x.dtype, tuple(x.shape), _impl.is_channels_last(x), tuple(weight.shape))
-    key += (bias is not None, str(stride), str(padding), str(dilation), allow_tf32)
-    key += (torch.backends.cudnn.allow_tf32,)
+    fusable = {
+        "fused": _fusable(x, weight, pad, stride, dilation),
+        "fused_tf32": _fusable(x, weight, pad, stride, dilation, tf32=True),
+    }
+    key = (
+        x.device,
+        x.dtype,
+        tuple(x.shape),
+        _impl.is_channels_last(x),
+        tuple(weight.shape),
+        bias is not None,
+        str(stride),
+        str(padding),
+        str(dilation),
+        allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+    )
     choice = _choices.get(key)
     if choice is not None:
         return choice
     # No timing while compiling or capturing a graph: the fused kernel, if it applies.
     if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
-        return "fused" if fusable else "exact"
-    names = [a for a in candidates(x.dtype, allow_tf32) if fusable or not a.startswith("fused")]
+        return "fused" if fusable["fused"] else "exact"
+    names = [a for a in candidates(x.dtype, allow_tf32) if fusable.get(a, True)]
     times = {}
     args = (x, weight, bias, divisor, slope, stride, padding, dilation)
     with torch.no_grad():
