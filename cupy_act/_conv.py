@@ -9,6 +9,7 @@ pays for it). The array-level entry (``cupy_act.conv``) and the torch adapter
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import threading
@@ -148,6 +149,7 @@ SMEM_TARGET = {1: 56 * 1024, 3: 76800}
 SMEM_MAX = 99 * 1024  # the most every sm_80+ device gives one block
 
 
+@functools.lru_cache(maxsize=4096)  # (a Python search: cached per shape)
 def tiling(g: Geometry, n_passes: int) -> Tiling | None:
     """The widest rectangle (C = 128, 64 or 32, at least the output width where
     possible) and the fewest, evenly sized channel chunks whose shared memory

@@ -273,10 +273,6 @@ def _choose(x, weight, bias, divisor, slope, stride, pad, dilation, padding, all
     """The cached or newly measured fastest candidate for this call's shape."""
     if not x.is_cuda:
         return "exact"
-    fusable = {
-        "fused": _fusable(x, weight, pad, stride, dilation),
-        "fused_tf32": _fusable(x, weight, pad, stride, dilation, tf32=True),
-    }
     key = (
         x.device,
         x.dtype,
@@ -293,6 +289,10 @@ def _choose(x, weight, bias, divisor, slope, stride, pad, dilation, padding, all
     choice = _choices.get(key)
     if choice is not None:
         return choice
+    fusable = {
+        "fused": _fusable(x, weight, pad, stride, dilation),
+        "fused_tf32": _fusable(x, weight, pad, stride, dilation, tf32=True),
+    }
     # No timing while compiling or capturing a graph: the fused kernel, if it applies.
     if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return "fused" if fusable["fused"] else "exact"
