@@ -23,12 +23,12 @@ it cannot express, an image beyond 2^31 elements) ``"fused"`` falls back to
 
 from __future__ import annotations
 
-import statistics
+import functools
 
 import torch
 from torch import Tensor
 
-from .. import _conv
+from .. import _conv, testing
 from .._arrays import mask_nbytes
 from .._scalars import check_divisor, check_real
 from . import _impl, _library
@@ -301,24 +301,10 @@ def _choose(x, weight, bias, divisor, slope, stride, pad, dilation, padding, all
     args = (x, weight, bias, divisor, slope, stride, padding, dilation)
     with torch.no_grad():
         for name in names:
-            times[name] = _time(lambda a=name: conv2d_div_leaky_relu(*args, algorithm=a))
+            run = functools.partial(conv2d_div_leaky_relu, *args, algorithm=name)
+            times[name] = testing.median_ms(run, iters=7, warmup=2)
     choice = _choices[key] = min(times, key=times.__getitem__)
     return choice
-
-
-def _time(fn, warmup: int = 2, reps: int = 7) -> float:
-    """Median milliseconds of ``fn`` on the current stream (CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end))
-    return statistics.median(out)
 
 
 def auto_choices() -> dict[tuple, str]:
