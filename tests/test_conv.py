@@ -195,7 +195,10 @@ def test_module_algorithm_and_state_dict():
     m = ct.ConvDivLeakyReLU(3, 5, 3, 2.0, algorithm="fused", stride=2, padding=1)
     assert set(m.state_dict()) == {"conv.weight", "conv.bias"}
     assert "algorithm='fused'" in repr(m)
-    assert ct.ConvDivLeakyReLU(3, 5, 3, 2.0, channels_last=True).algorithm == "channels_last"
+    cl = ct.ConvDivLeakyReLU(3, 5, 3, 2.0, channels_last=True)
+    assert cl.algorithm == "channels_last" and cl.channels_last
+    cl.channels_last = False
+    assert cl.algorithm == "exact" and not cl.channels_last
     with pytest.raises(ValueError, match="algorithm='x'"):
         ct.ConvDivLeakyReLU(3, 5, 3, 2.0, algorithm="x")
     ref = testing.ConvDivLeakyReLUModel(3, 5, 3, 2.0)

@@ -106,7 +106,15 @@ class ConvDivLeakyReLU(nn.Module):
 
     @property
     def channels_last(self) -> bool:
+        """The older switch: True exactly when ``algorithm == "channels_last"``."""
         return self.algorithm == "channels_last"
+
+    @channels_last.setter
+    def channels_last(self, value: bool) -> None:
+        if value:
+            self.algorithm = "channels_last"
+        elif self.algorithm == "channels_last":
+            self.algorithm = "exact"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.conv
