@@ -179,8 +179,8 @@ def main() -> None:
     rows = []
     for name in args.shapes:
         s = SHAPES[name]
-        print(f"{name}: x {s[0]}x{s[1]}x{s[2]}x{s[3]}, Conv2d({s[1]}, {s[4]}, {s[5]}, "
-              f"stride={s[6]}, padding={s[7]})", flush=True)  # fmt: skip
+        conv = f"Conv2d({s[1]}, {s[4]}, {s[5]}, stride={s[6]}, padding={s[7]})"
+        print(f"{name}: x {s[0]}x{s[1]}x{s[2]}x{s[3]}, {conv}", flush=True)
         rows += run_shape(name, s, args)
         torch.cuda.empty_cache()
     res = targets(rows, gpu)

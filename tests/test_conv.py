@@ -342,10 +342,8 @@ def test_non_finite_inputs_propagate_as_in_eager(dtype, cl):
 
 
 def _fused_with_mask(x, w, b, stride=1, padding=0, dilation=1, tf32=False):
-    return conv.fused_forward(
-        x, w, b, DIVISOR, SLOPE, _conv.pair(stride, "s", "t", 1),
-        _conv.pair(padding, "p", "t", 0), _conv.pair(dilation, "d", "t", 1), tf32, True,
-    )  # fmt: skip
+    s, p, d = stride, padding, dilation
+    return conv.fused_forward(x, w, b, DIVISOR, SLOPE, (s, s), (p, p), (d, d), tf32, True)
 
 
 @gpu
@@ -496,10 +494,10 @@ def test_cupy_entry_matches_the_torch_path(cl, precision):
     x = _layout(x, cl)
     y_t, m_t = _fused_with_mask(x, w, b, 2, 1, 1, tf32=precision == "tf32")
     cx = cupy.from_dlpack(x)
+    cw, cb = cupy.from_dlpack(w), cupy.from_dlpack(b)
     y, mask = cupy_act.conv2d_div_leaky_relu(
-        cx, cupy.from_dlpack(w), cupy.from_dlpack(b), DIVISOR, SLOPE, 2, 1,
-        precision=precision, with_mask=True,
-    )  # fmt: skip
+        cx, cw, cb, DIVISOR, SLOPE, 2, 1, precision=precision, with_mask=True
+    )
     assert y.shape == tuple(y_t.shape) and y.strides == tuple(s * 4 for s in y_t.stride())
     testing.assert_bits_equal(torch.from_dlpack(y), y_t)
     assert torch.equal(torch.from_dlpack(mask), m_t)
