@@ -202,3 +202,22 @@ def median_ms(fn, iters: int = 20, warmup: int = 3, reps: int = 1) -> float:
         stop.synchronize()
         times.append(start.elapsed_time(stop) / reps)
     return statistics.median(times)
+
+
+def interleaved_median_ms(fns: dict, rounds: int = 9, warmup: int = 2) -> dict:
+    """{name: median CUDA-event ms} of each ``fns[name]()``, timed in turn round
+    after round, so that a drift of the clocks or of the machine's load hits
+    every candidate alike; ``warmup`` untimed calls of each first."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    events: dict = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            events[name].append((start, stop))
+    torch.cuda.synchronize()
+    return {n: statistics.median(a.elapsed_time(b) for a, b in ev) for n, ev in events.items()}

@@ -297,12 +297,10 @@ def _choose(x, weight, bias, divisor, slope, stride, pad, dilation, padding, all
     if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return "fused" if fusable["fused"] else "exact"
     names = [a for a in candidates(x.dtype, allow_tf32) if fusable.get(a, True)]
-    times = {}
     args = (x, weight, bias, divisor, slope, stride, padding, dilation)
+    runs = {a: functools.partial(conv2d_div_leaky_relu, *args, algorithm=a) for a in names}
     with torch.no_grad():
-        for name in names:
-            run = functools.partial(conv2d_div_leaky_relu, *args, algorithm=name)
-            times[name] = testing.median_ms(run, iters=7, warmup=2)
+        times = testing.interleaved_median_ms(runs)
     choice = _choices[key] = min(times, key=times.__getitem__)
     return choice
 
