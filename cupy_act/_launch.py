@@ -41,6 +41,7 @@ class _Scratch(threading.local):
         self.buf = ctypes.create_string_buffer(size)
         self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.buf))
         self.argv_ptr = ctypes.addressof(self.argv)
+        self.bytes = memoryview(self.buf).cast("B")
 
 
 _scratch = _Scratch()
@@ -66,6 +67,71 @@ except ImportError:  # pragma: no cover - CuPy is a dependency
     _launch_kernel = _ctx_get_current = _ctx_set_current = None
 
 
+# The part every call fills in; the scalars after it are fixed per Launch.
+_HEAD = struct.Struct("<QQQQqqqq")
+
+
+class Launch:
+    """One kernel with one call's scalars, packed once: what ``_plan.plan`` caches.
+
+    ``slope`` and ``scale`` are already rounded to the op type (float for every
+    dtype but float64). Calling it launches over ``n`` elements on ``stream`` (a
+    raw handle) with raw device pointers; any thread may call it (see the module
+    docstring); the caller skips empty inputs. Without a bias only the pointers
+    and counts are packed per call: the rest of the block is copied from
+    ``_tail`` (the whole pack costs twice as much host time).
+    """
+
+    __slots__ = ("kernel", "slope", "scale", "_pack", "_tail")
+
+    def __init__(self, kernel: Kernel, slope: float, scale: float) -> None:
+        self.kernel, self.slope, self.scale = kernel, slope, scale
+        self._pack = _PARAMS_F64 if kernel.wide else _PARAMS_F32
+        block = self._pack.pack(0, 0, 0, 0, 0, 0, 1, 1, slope, scale, 1.0, 1.0, 1.0)
+        self._tail = block[_HEAD.size :]
+
+    def __call__(
+        self,
+        stream: int,
+        n: int,
+        x: int,
+        y: int,
+        mask: int = 0,
+        mask_words: int = 0,
+        bias: int = 0,
+        inner: int = 1,
+        channels: int = 1,
+    ) -> None:
+        s = _scratch
+        if bias:
+            self._pack.pack_into(
+                s.buf,
+                0,
+                x,
+                y,
+                mask,
+                bias,
+                n,
+                mask_words,
+                inner,
+                channels,
+                self.slope,
+                self.scale,
+                1.0,
+                1.0 / inner,
+                1.0 / channels,
+            )
+        else:
+            _HEAD.pack_into(s.buf, 0, x, y, mask, 0, n, mask_words, 1, 1)
+            s.bytes[_HEAD.size :] = self._tail
+        k = self.kernel
+        blocks = min(-(-n // k.per_block), k.max_blocks)
+        if _ctx_get_current() == k.ctx:  # (run's check, inline: one call less)
+            _launch_kernel(k.ptr, blocks, 1, 1, k.threads, 1, 1, 0, stream, s.argv_ptr, 0)
+        else:
+            run(k.ptr, k.ctx, (blocks, 1), k.threads, stream, s.argv_ptr)
+
+
 def launch(
     kernel: Kernel,
     stream: int,
@@ -80,33 +146,9 @@ def launch(
     slope: float = 0.0,
     scale: float = 1.0,
 ) -> None:
-    """Launch ``kernel`` over ``n`` elements on ``stream`` (a raw handle).
-
-    Pointers are raw device addresses; ``slope`` and ``scale`` are already
-    rounded to the op type (float for every dtype but float64). Any thread may
-    call it (see the module docstring); the caller skips empty inputs.
-    """
-    blocks = min(-(-n // kernel.per_block), kernel.max_blocks)
-    pack = _PARAMS_F64 if kernel.wide else _PARAMS_F32
-    s = _scratch
-    pack.pack_into(
-        s.buf,
-        0,
-        x,
-        y,
-        mask,
-        bias,
-        n,
-        mask_words,
-        inner,
-        channels,
-        slope,
-        scale,
-        1.0,
-        1.0 / inner,
-        1.0 / channels,
-    )
-    run(kernel.ptr, kernel.ctx, (blocks, 1), kernel.threads, stream, s.argv_ptr)
+    """Launch ``kernel`` once with these scalars (see ``Launch``, which callers
+    that launch again with the same scalars keep instead)."""
+    Launch(kernel, slope, scale)(stream, n, x, y, mask, mask_words, bias, inner, channels)
 
 
 def run(

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from . import _loader
-from ._loader import Kernel
+from ._launch import Launch
 from ._registry import OPS
 from ._scalars import check_scalars, kernel_scalars
 
-_plans: dict = {}  # key -> (Kernel, slope, scale); bounded below
+_plans: dict = {}  # key -> Launch; bounded below
 
 
 def plan(
     dev: int, op: str, dtype: str, kind: str, has_bias: bool, slope, divisor, fname: str
-) -> tuple[Kernel, float, float]:
-    """(kernel, slope, scale) for one call, the scalars checked and rounded as ATen does.
+) -> Launch:
+    """The kernel and scalars of one call, the scalars checked and rounded as ATen does.
 
     The key holds the scalars' types as well as their values (``True == 1``, but
     a bool slope is refused), so only an accepted call is ever cached. A zero
@@ -27,7 +27,7 @@ def plan(
         pass
     check_scalars(op, slope, divisor, fname)
     s, scale = kernel_scalars(op, slope, divisor, dtype == "float64", fname)
-    p = (_loader.kernel(dev, op, dtype, kind, has_bias), s, scale)
+    p = Launch(_loader.kernel(dev, op, dtype, kind, has_bias), s, scale)
     if slope or not OPS[op].slope:
         if len(_plans) >= 4096:  # bound the cache against endless distinct scalars
             _plans.clear()

@@ -12,7 +12,6 @@ import math
 
 import numpy
 
-from . import _launch
 from ._arrays import (
     GPUArray,
     as_device_array,
@@ -52,7 +51,7 @@ def _run(fname, op, kind, src, *, out=None, mask=None, slope=0.0, divisor=None, 
     src = as_device_array(src, "dy" if kind == "backward" else "x", fname)
     dev = src.data.device_id
     dtype = dtype_name(src.dtype)
-    kernel, s, scale = plan(dev, op, dtype, kind, bias is not None, slope, divisor, fname)
+    launch = plan(dev, op, dtype, kind, bias is not None, slope, divisor, fname)
     if out is not None:
         out = as_device_array(out, "out", fname)
         check_like(out, "out", src, fname)
@@ -60,13 +59,13 @@ def _run(fname, op, kind, src, *, out=None, mask=None, slope=0.0, divisor=None, 
     if cur != dev:  # allocations and copies below go to the current device
         _set_device(dev)
     try:
-        return _launch_on(fname, kind, src, out, mask, bias, kernel, s, scale)
+        return _launch_on(fname, kind, src, out, mask, bias, launch)
     finally:
         if cur != dev:
             _set_device(cur)
 
 
-def _launch_on(fname, kind, src, out, mask, bias, kernel, s, scale):
+def _launch_on(fname, kind, src, out, mask, bias, launch):
     x = src if c_contiguous(src) else cupy.ascontiguousarray(src)  # masks: C order
     n = x.size
     inner = channels = 1
@@ -95,8 +94,7 @@ def _launch_on(fname, kind, src, out, mask, bias, kernel, s, scale):
         direct = o == p or o >= p + nb or p >= o + nb
     y = out if direct else cupy.ndarray(x.shape, x.dtype)  # (cupy.empty, one frame less)
     if n:
-        _launch.launch(
-            kernel,
+        launch(
             _current_stream().ptr,
             n,
             x.data.ptr,
@@ -106,8 +104,6 @@ def _launch_on(fname, kind, src, out, mask, bias, kernel, s, scale):
             bias_ptr,
             inner,
             channels,
-            s,
-            scale,
         )
     if out is not None and not direct:
         out[...] = y

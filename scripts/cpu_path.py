@@ -5,7 +5,10 @@
 Each round times torch's op and ours once each, alternating, on the same
 float32 input and upstream gradient; printed is the least time of each over
 the rounds (the runs the rest of the machine disturbed least) and their ratio,
-for every registry op.
+for every registry op. Beside them, the floor of any mask-saving CPU path
+built from PyTorch's own kernels (none reads a mask): the forward, the mask
+as a bool tensor (one comparison, no packing), and the backward kernel fed a
+0/1 stand-in made from it, written over the stand-in, without autograd.
 """
 
 from __future__ import annotations
@@ -18,6 +21,15 @@ import torch
 import cupy_act.torch as ct
 from cupy_act import testing
 from cupy_act._registry import OPS
+from cupy_act.torch import _impl
+
+
+def floor(op, x, dy, slope, divisor):
+    """The torch-kernel floor (see the module docstring)."""
+    y, t = _impl.reference(op, x, slope, divisor, None)
+    stand_in = torch.empty_like(dy).copy_(_impl.bits(op, t))
+    dx = OPS[op].torch_backward(torch, dy, stand_in, slope, stand_in)
+    return y, dx.div_(divisor) if OPS[op].divisor else dx
 
 
 def main() -> None:
@@ -29,7 +41,10 @@ def main() -> None:
     x = torch.randn(1 << args.log2n, generator=g)
     dy = torch.randn(1 << args.log2n, generator=g)
     print(f"autograd fwd+bwd, 2^{args.log2n} float32 on the CPU, {torch.get_num_threads()} threads")
-    print(f"{'op':16s} {'torch ms':>9s} {'cupy_act ms':>12s} {'ratio':>7s}")
+    print(
+        f"{'op':16s} {'torch ms':>9s} {'cupy_act ms':>12s} {'ratio':>7s} "
+        f"{'floor ms':>9s} {'ratio':>7s}"
+    )
     for op in OPS:
         kw = testing.op_kwargs(op, 0.01, 2.0)
 
@@ -46,9 +61,13 @@ def main() -> None:
                 t0 = time.perf_counter()
                 torch.autograd.grad(f(xr), xr, dy)
                 best[name] = min(best.get(name, 1e9), (time.perf_counter() - t0) * 1e3)
+            t0 = time.perf_counter()
+            floor(op, x, dy, 0.01, 2.0)
+            best["floor"] = min(best.get("floor", 1e9), (time.perf_counter() - t0) * 1e3)
         print(
             f"{op:16s} {best['torch']:9.1f} {best['ours']:12.1f} "
-            f"{best['ours'] / best['torch']:6.2f}x"
+            f"{best['ours'] / best['torch']:6.2f}x {best['floor']:9.1f} "
+            f"{best['floor'] / best['torch']:6.2f}x"
         )
 
 

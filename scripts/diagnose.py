@@ -3,6 +3,7 @@
     PYTHONPATH=. python scripts/diagnose.py mask   # where forward-with-mask loses time
     PYTHONPATH=. python scripts/diagnose.py bias   # the conv epilogue with and without bias
     PYTHONPATH=. python scripts/diagnose.py cupy   # host cost of each step of a CuPy API call
+    PYTHONPATH=. python scripts/diagnose.py torch  # the same for a cupy_act.torch call
 
 mask: builds variants of the forward-with-mask kernel by editing its mask
 store in the assembled source (never store it; store a constant word, so no
@@ -14,6 +15,9 @@ bias: times div_leaky_relu at the conv model's output shape (128 x 64 x
 cupy: host time per call (least of 9 repeats of 5000 calls, 65,536 float32) of
 each step cupy_act.leaky_relu takes, beside the whole call and a
 cupy.ElementwiseKernel, to show where the CuPy API's time goes.
+torch: the same for cupy_act.torch.leaky_relu beside F.leaky_relu, with ways
+to allocate the mask, and the bare launch (its arguments packed once) through
+CuPy's driver wrapper and through ctypes, beside torch's cheapest launches.
 """
 
 from __future__ import annotations
@@ -148,8 +152,6 @@ def diagnose_bias() -> None:
 
 
 def diagnose_cupy() -> None:
-    import time
-
     import cupy_act
     from cupy_act import _arrays, _plan, _scalars
 
@@ -157,7 +159,7 @@ def diagnose_cupy() -> None:
     y = cupy.empty_like(x)
     ek = cupy.ElementwiseKernel("T x, T s", "T y", "y = x > 0 ? x : x * s", "diag_leaky")
     s32 = numpy.float32(0.01)
-    kernel, sl, scale = _plan.plan(0, "leaky_relu", "float32", "forward", False, 0.01, None, "f")
+    launch = _plan.plan(0, "leaky_relu", "float32", "forward", False, 0.01, None, "f")
     stream = cupy.cuda.get_current_stream().ptr
     steps = {
         "EK new": lambda: ek(x, s32),
@@ -174,31 +176,112 @@ def diagnose_cupy() -> None:
         "check_like": lambda: _arrays.check_like(y, "out", x, "f"),
         "cupy.empty": lambda: cupy.empty(x.shape, dtype=x.dtype),
         "get_current_stream().ptr": lambda: cupy.cuda.get_current_stream().ptr,
-        "launch": lambda: _launch.launch(
-            kernel, stream, 65536, x.data.ptr, y.data.ptr, 0, 0, 0, 1, 1, sl, scale
-        ),
+        "launch": lambda: launch(stream, 65536, x.data.ptr, y.data.ptr),
     }
+    _print_steps(steps)
+
+
+def _print_steps(steps: dict) -> None:
+    """Least host time per call of each step (9 repeats of 5000 calls each)."""
+    import time
+
     for fn in steps.values():
         for _ in range(500):
             fn()
-    cupy.cuda.Device().synchronize()
+    torch.cuda.synchronize()
     best = dict.fromkeys(steps, float("inf"))
     for _ in range(9):
         for name, fn in steps.items():
             t0 = time.perf_counter()
             for _ in range(5000):
                 fn()
-            cupy.cuda.Device().synchronize()
+            torch.cuda.synchronize()
             best[name] = min(best[name], (time.perf_counter() - t0) / 5000 * 1e6)
     for name, us in best.items():
-        print(f"{name:26s} {us:7.2f} us")
+        print(f"{name:34s} {us:7.2f} us")
+
+
+def diagnose_torch() -> None:
+    import torch.nn.functional as F
+
+    import cupy_act.torch as ct
+    from cupy_act import _plan
+    from cupy_act.torch import _impl, functional
+
+    x = torch.randn(65536, device="cuda")
+    y = torch.empty_like(x)
+    mask = _impl.forward_mask(x, "leaky_relu", 0.01, 1.0, None)[1]
+    u8, dev = torch.empty(8192, dtype=torch.uint8, device="cuda"), x.device
+    launch = _plan.plan(0, "leaky_relu", "float32", "forward", False, 0.01, 1.0, "f")
+    stream = _impl._raw_stream(0)
+    steps = {
+        "F.leaky_relu": lambda: F.leaky_relu(x, 0.01),
+        "ct.leaky_relu": lambda: ct.leaky_relu(x, 0.01),
+        "_impl.forward": lambda: _impl.forward(x, "leaky_relu", 0.01, 1.0, None),
+        "_impl.forward_mask_layout": lambda: _impl.forward_mask_layout(
+            x, "leaky_relu", 0.01, 1.0, None
+        ),
+        "_impl.backward": lambda: _impl.backward(x, mask, "leaky_relu", 0.01, 1.0, False),
+        "_check": lambda: functional._check("f", "leaky_relu", x, 0.01, 1.0, None),
+        "is_compiling": functional._is_compiling,
+        "functorch_active": functional._functorch_active,
+        "is_grad_enabled": torch.is_grad_enabled,
+        "x.requires_grad": lambda: x.requires_grad,
+        "x.is_cuda": lambda: x.is_cuda,
+        "x.is_contiguous()": lambda: x.is_contiguous(),
+        "torch.empty_like": lambda: torch.empty_like(x),
+        "new_mask": lambda: _impl.new_mask(x),
+        "x.new_empty(nb, dtype=u8)": lambda: x.new_empty(8192, dtype=torch.uint8),
+        "u8.new_empty(nb)": lambda: u8.new_empty(8192),
+        "torch.empty(nb, dtype=u8, device=)": lambda: torch.empty(
+            8192, dtype=torch.uint8, device=dev
+        ),
+        "empty_like(u8 of nb)": lambda: torch.empty_like(u8),
+        "x.numel()": lambda: x.numel(),
+        "x.get_device()": lambda: x.get_device(),
+        "x.data_ptr()": lambda: x.data_ptr(),
+        "raw stream": lambda: _impl._raw_stream(0),
+        "plan": lambda: _plan.plan(0, "leaky_relu", "float32", "forward", False, 0.01, 1.0, "f"),
+        "launch": lambda: launch(stream, 65536, x.data_ptr(), y.data_ptr()),
+        "lambda: None": lambda: None,
+    }
+    steps.update(_raw_launches(launch, stream, x, y))
+    _print_steps(steps)
+
+
+def _raw_launches(launch, stream: int, x, y) -> dict:
+    """The launch alone, its argument block packed once, through CuPy's driver
+    wrapper and through ctypes; and the cheapest launches torch makes from
+    Python: floors for any Python launcher."""
+    import ctypes
+
+    k = launch.kernel
+    launch(stream, 65536, x.data_ptr(), y.data_ptr())  # leaves its block in the scratch
+    argv = _launch._scratch.argv_ptr
+    drv = cupy.cuda.driver
+    f = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+    f.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    blocks = 65536 // k.per_block
+    return {
+        "raw: driver.launchKernel": lambda: drv.launchKernel(
+            k.ptr, blocks, 1, 1, k.threads, 1, 1, 0, stream, argv, 0
+        ),
+        "raw: ctypes cuLaunchKernel": lambda: f(
+            k.ptr, blocks, 1, 1, k.threads, 1, 1, 0, stream, argv, None
+        ),
+        "raw: driver.ctxGetCurrent": drv.ctxGetCurrent,
+        "torch: y.zero_()": y.zero_,
+        "torch: torch.cuda._sleep(0)": lambda: torch.cuda._sleep(0),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["mask", "bias", "cupy"])
+    ap.add_argument("what", choices=["mask", "bias", "cupy", "torch"])
     args = ap.parse_args()
-    {"mask": diagnose_mask, "bias": diagnose_bias, "cupy": diagnose_cupy}[args.what]()
+    whats = {"mask": diagnose_mask, "bias": diagnose_bias, "cupy": diagnose_cupy}
+    whats["torch"] = diagnose_torch
+    whats[args.what]()
 
 
 if __name__ == "__main__":

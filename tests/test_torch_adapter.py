@@ -73,6 +73,38 @@ def test_forward_and_gradient_bit_exact(case, n, layout, dtype, device):
         assert_bits_equal(dx, expected_dx, "gradient vs the original layout")
 
 
+@pytest.mark.parametrize("dtype", testing.DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "expanded_dy"])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_cpu_path_in_pieces(case, layout, dtype, monkeypatch):
+    """The CPU path packs and unpacks masks a piece at a time: over several
+    pieces and an odd tail, masks, outputs and gradients are still PyTorch's bits."""
+    from cupy_act.torch import _impl
+
+    monkeypatch.setattr(_impl, "_PIECE", 1 << 14)  # (smaller pieces, same code)
+    op, slope, divisor = case
+    n = 5 * _impl._PIECE + 4097
+    x = testing.make_input(n, dtype, "cpu", 7)
+    dy = testing.make_input(n, dtype, "cpu", 8)
+    if layout == "channels_last":  # 4-D, walked in memory order (N, H, W, C)
+        shape = (1, 3, 17, n // 51)
+        x = x[: math.prod(shape)].view(shape).contiguous(memory_format=torch.channels_last)
+        dy = dy[: x.numel()].view(shape).contiguous(memory_format=torch.channels_last)
+    elif layout == "expanded_dy":  # a broadcast gradient, as from y.sum(): the general path
+        dy = dy[:1].expand(n)
+    cl = layout == "channels_last"
+    y, mask, mask_cl = _impl.forward_mask_layout(x, op, slope, divisor or 1.0, None)
+    assert mask_cl == cl
+    expected_bits = testing.mask_bits(op, x, divisor)
+    assert torch.equal(_impl.mask_to_bits(mask, x.shape, cl), expected_bits)
+    assert not _impl.unpack_bits(mask, mask.numel() * 8)[x.numel() :].any(), "padding bits"
+    assert_bits_equal(y, testing.forward(op, x, slope, divisor), "forward")
+    xr = x.clone().requires_grad_(True)
+    (dx,) = torch.autograd.grad(call(op, xr, slope, divisor), xr, dy)
+    assert_bits_equal(dx, testing.backward(op, x, dy, slope, divisor), "gradient")
+    assert dx.is_contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", testing.DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("channels_last", [False, True])

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy
 import torch
 
-from .. import _launch, _registry
+from .. import _registry
 from .._arrays import mask_nbytes
 from .._kernels import DTYPES
 from .._plan import plan
@@ -60,34 +60,50 @@ def arrange(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
     return x.contiguous()
 
 
+# The adapter's own cache in front of _plan.plan, keyed by what a call has at
+# hand (its scalars are always Python floats here): 0.3 us less per launch on
+# the GPU host (scripts/diagnose.py torch) than plan's key and name lookups.
+_launches: dict = {}
+
+
+def _new_launch(op, kind, dtype, dev, no_bias, slope, divisor):
+    launch = plan(dev, op, DTYPE_NAMES[dtype], kind, not no_bias, slope, divisor, _FNAMES[op])
+    if slope or not _registry.OPS[op].slope:  # as plan: 0.0 and -0.0 are one key
+        if len(_launches) >= 4096:  # bounded, as plan's
+            _launches.clear()
+        _launches[(op, kind, dtype, dev, no_bias, slope, divisor)] = launch
+    return launch
+
+
 def _launch_cuda(kind, op, x, y, mask, bias, slope, divisor, channels_last) -> None:
     n = x.numel()
     if n == 0:
         return
     dev = x.get_device()
-    kernel, s, scale = plan(
-        dev, op, DTYPE_NAMES[x.dtype], kind, bias is not None, slope, divisor, _FNAMES[op]
-    )
-    inner = channels = 1
-    bias_ptr = 0
-    if bias is not None:
-        channels = x.shape[1]
-        inner = 1 if channels_last else math.prod(x.shape[2:])
-        bias_ptr = bias.data_ptr()
+    launch = _launches.get((op, kind, x.dtype, dev, bias is None, slope, divisor))
+    if launch is None:
+        launch = _new_launch(op, kind, x.dtype, dev, bias is None, slope, divisor)
+    if bias is None:
+        if mask is None:
+            launch(_raw_stream(dev), n, x.data_ptr(), y.data_ptr())
+        else:
+            launch(
+                _raw_stream(dev), n, x.data_ptr(), y.data_ptr(), mask.data_ptr(), mask.numel() >> 2
+            )
+        return
+    channels = x.shape[1]
+    inner = 1 if channels_last else math.prod(x.shape[2:])
     mask_ptr, mask_words = (0, 0) if mask is None else (mask.data_ptr(), mask.numel() >> 2)
-    _launch.launch(
-        kernel,
+    launch(
         _raw_stream(dev),
         n,
         x.data_ptr(),
         y.data_ptr(),
         mask_ptr,
         mask_words,
-        bias_ptr,
+        bias.data_ptr(),
         inner,
         channels,
-        s,
-        scale,
     )
 
 
@@ -237,18 +253,77 @@ def bits(op, t):
     return _registry.OPS[op].torch_bit(torch, t)
 
 
-def backward_from_bits(op, dy, bits, slope, divisor, reuse=False):
+def backward_from_bits(op, dy, bits, slope, divisor):
     """dx from dy and the bits (any device, any shape dy and bits share).
 
     The same ATen kernels autograd uses, fed a stand-in for x whose sign is the
-    bit. ``reuse`` writes dx over the stand-in (one buffer less: 52 -> 31 ms at
-    2^24 float32 on a 2-core CPU); only for plain tensors without autograd,
-    since out= refuses both.
+    bit; differentiable, and it works on torch.func wrappers.
     """
     spec = _registry.OPS[op]
-    sign = torch.empty_like(dy).copy_(bits)
-    dx = spec.torch_backward(torch, dy, sign, slope, sign if reuse else None)
+    dx = spec.torch_backward(torch, dy, torch.empty_like(dy).copy_(bits), slope, None)
     return dx / divisor if spec.divisor else dx
+
+
+# ---- the CPU hot path: masks packed and unpacked a piece at a time ----
+#
+# Made whole, the mask's bits (1 byte each) are one more large buffer, whose
+# page faults cost as much as its traffic (2^24 float32 on 2 cores: filling a
+# new 64 MB buffer takes 21 ms, torch.relu 27 ms). Piece by piece the bits stay
+# in cache and in reused heap memory. The pieces are large because each torch
+# op on a piece costs a fork and join of every thread (NumPy on a pool of
+# threads instead ran 1.4x slower on a 16-core host: it competes with torch's
+# spinning OpenMP workers). Only exact steps go piece by piece (the predicate,
+# packing, unpacking, the 0/1 stand-in): PyTorch's CPU kernels give different
+# NaN payloads in their vectorized loops and their scalar tails, whose places
+# depend on how an op splits its range over threads, so the backward kernel
+# itself runs once over the whole tensor, as PyTorch's does.
+
+_PIECE = 1 << 20  # elements per piece: 4 MiB of float32, 1 MiB of bits
+
+
+def _walk_view(t: torch.Tensor, channels_last: bool):
+    """t's elements in the kernels' walk order as a flat view, or None if that
+    needs a copy (or t is no plain CPU tensor: torch.func wrappers have no storage)."""
+    if channels_last:
+        t = t.permute(_cl_perm(t.dim()))
+    if not t.is_contiguous():
+        return None
+    flat = t.view(-1)
+    return flat if _host_array(flat[:0].bool()) is not None else None
+
+
+def host_mask(op, t, channels_last: bool) -> torch.Tensor:
+    """The packed mask of what the activation saw, t, on the CPU (any layout)."""
+    flat = _walk_view(t, channels_last)
+    if flat is None:
+        return bits_to_mask(bits(op, t), channels_last)
+    n = flat.numel()
+    out = numpy.zeros(mask_nbytes(n), dtype=numpy.uint8)
+    for a in range(0, n, _PIECE):
+        b = min(a + _PIECE, n)
+        piece = bits(op, flat[a:b]).numpy()
+        out[a // 8 : (b + 7) // 8] = numpy.packbits(piece, bitorder="little")
+    return torch.from_numpy(out)
+
+
+def _host_backward(op, dy, mask, slope, divisor, channels_last):
+    """dx on the CPU without autograd, written over its own 0/1 stand-in; None
+    where dy is not laid out in the mask's order (the general path then follows
+    dy's layout, as PyTorch's kernel would)."""
+    packed = _host_array(mask)
+    if packed is None or _walk_view(dy, channels_last) is None:
+        return None
+    fmt = _CL_FORMAT[dy.dim()] if channels_last else torch.contiguous_format
+    dx = torch.empty(dy.shape, dtype=dy.dtype, memory_format=fmt)
+    flat = _walk_view(dx, channels_last)
+    n = flat.numel()
+    for a in range(0, n, _PIECE):
+        b = min(a + _PIECE, n)
+        piece = numpy.unpackbits(packed[a // 8 : (b + 7) // 8], count=b - a, bitorder="little")
+        flat[a:b].copy_(torch.from_numpy(piece))  # (from uint8: twice as fast as from bool)
+    spec = _registry.OPS[op]
+    spec.torch_backward(torch, dy, dx, slope, dx)  # (out= is allowed: no autograd here)
+    return dx.div_(divisor) if spec.divisor else dx
 
 
 # ---- the four entry points ----
@@ -275,7 +350,9 @@ def forward(x, op: str, slope: float, divisor: float, bias):
     """y = op(x) without a mask (inference, or no gradient needed)."""
     if not x.is_cuda:
         return arrange(reference(op, x, slope, divisor, bias)[0], is_channels_last(x))
-    x, cl = _layout(x)
+    cl = False
+    if not x.is_contiguous():  # (_layout, inline: the no-grad call's host time counts)
+        x, cl = _layout(x)
     y = torch.empty_like(x)
     _launch_cuda("forward", op, x, y, None, bias, slope, divisor, cl)
     return y
@@ -291,7 +368,7 @@ def forward_mask_layout(x, op: str, slope: float, divisor: float, bias):
     if not x.is_cuda:
         cl = is_channels_last(x)
         y, t = reference(op, x, slope, divisor, bias)
-        return arrange(y, cl), bits_to_mask(bits(op, t), cl), cl
+        return arrange(y, cl), host_mask(op, t, cl), cl
     x, cl = _layout(x)
     y = torch.empty_like(x)
     mask = new_mask(x)
@@ -303,7 +380,7 @@ def forward_mask_(x, op: str, slope: float, divisor: float, bias, with_mask: boo
     """In place: x = op(x); returns the mask (or None without ``with_mask``)."""
     if not x.is_cuda:
         y, t = reference(op, x, slope, divisor, bias)
-        mask = bits_to_mask(bits(op, t), is_channels_last(x)) if with_mask else None
+        mask = host_mask(op, t, is_channels_last(x)) if with_mask else None
         x.copy_(y)
         return mask
     work, cl = _layout(x)
@@ -319,9 +396,15 @@ def forward_mask_(x, op: str, slope: float, divisor: float, bias, with_mask: boo
 def backward(dy, mask, op: str, slope: float, divisor: float, channels_last: bool):
     """dx from dy and the mask; the layout flag says the mask's element order."""
     if not dy.is_cuda:
-        b = mask_to_bits(mask, dy.shape, channels_last)
-        dx = backward_from_bits(op, dy, b, slope, divisor, reuse=not torch.is_grad_enabled())
-        return arrange(dx, channels_last)
+        dx = (
+            None
+            if torch.is_grad_enabled()
+            else _host_backward(op, dy, mask, slope, divisor, channels_last)
+        )
+        if dx is None:  # differentiable (double backward), a wrapper, or dy in another layout
+            b = mask_to_bits(mask, dy.shape, channels_last)
+            dx = arrange(backward_from_bits(op, dy, b, slope, divisor), channels_last)
+        return dx
     if not (dy.is_contiguous() and not channels_last):
         dy = arrange(dy, channels_last)
     dx = torch.empty_like(dy)
