@@ -41,10 +41,10 @@ class _Scratch(threading.local):
         self.buf = ctypes.create_string_buffer(size)
         self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.buf))
         self.argv_ptr = ctypes.addressof(self.argv)
-        self.bytes = memoryview(self.buf).cast("B")
 
 
 _scratch = _Scratch()
+_get_ident = threading.get_ident
 
 try:  # `cupy.cuda.driver` is an attribute of cupy.cuda, not an importable module
     try:
@@ -77,18 +77,27 @@ class Launch:
     ``slope`` and ``scale`` are already rounded to the op type (float for every
     dtype but float64). Calling it launches over ``n`` elements on ``stream`` (a
     raw handle) with raw device pointers; any thread may call it (see the module
-    docstring); the caller skips empty inputs. Without a bias only the pointers
-    and counts are packed per call: the rest of the block is copied from
-    ``_tail`` (the whole pack costs twice as much host time).
+    docstring); the caller skips empty inputs. Without a bias, each thread has
+    its own argument block per Launch with the scalars already in place, and a
+    call packs only the pointers and counts: 0.53 against 0.90 us per call for
+    a whole pack into a thread-local block (2-core CPU machine, driver stubbed).
     """
 
-    __slots__ = ("kernel", "slope", "scale", "_pack", "_tail")
+    __slots__ = ("kernel", "slope", "scale", "_pack", "_block0", "_blocks", "_k")
 
     def __init__(self, kernel: Kernel, slope: float, scale: float) -> None:
         self.kernel, self.slope, self.scale = kernel, slope, scale
         self._pack = _PARAMS_F64 if kernel.wide else _PARAMS_F32
-        block = self._pack.pack(0, 0, 0, 0, 0, 0, 1, 1, slope, scale, 1.0, 1.0, 1.0)
-        self._tail = block[_HEAD.size :]
+        self._block0 = self._pack.pack(0, 0, 0, 0, 0, 0, 1, 1, slope, scale, 1.0, 1.0, 1.0)
+        self._blocks: dict = {}  # thread ident -> (block, argv address, argv)
+        self._k = (kernel.ptr, kernel.ctx, kernel.threads, kernel.per_block, kernel.max_blocks)
+
+    def _block(self) -> tuple:
+        """This thread's argument block (a thread ident is unique among live threads)."""
+        buf = ctypes.create_string_buffer(self._block0, len(self._block0))
+        argv = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
+        entry = self._blocks[_get_ident()] = (buf, ctypes.addressof(argv), argv)
+        return entry
 
     def __call__(
         self,
@@ -102,8 +111,9 @@ class Launch:
         inner: int = 1,
         channels: int = 1,
     ) -> None:
-        s = _scratch
-        if bias:
+        ptr, ctx, threads, per_block, max_blocks = self._k
+        if bias:  # the whole block, in the thread's scratch (the blocks above keep their tail)
+            s = _scratch
             self._pack.pack_into(
                 s.buf,
                 0,
@@ -121,15 +131,18 @@ class Launch:
                 1.0 / inner,
                 1.0 / channels,
             )
+            argv = s.argv_ptr
         else:
-            _HEAD.pack_into(s.buf, 0, x, y, mask, 0, n, mask_words, 1, 1)
-            s.bytes[_HEAD.size :] = self._tail
-        k = self.kernel
-        blocks = min(-(-n // k.per_block), k.max_blocks)
-        if _ctx_get_current() == k.ctx:  # (run's check, inline: one call less)
-            _launch_kernel(k.ptr, blocks, 1, 1, k.threads, 1, 1, 0, stream, s.argv_ptr, 0)
+            block = self._blocks.get(_get_ident()) or self._block()
+            _HEAD.pack_into(block[0], 0, x, y, mask, 0, n, mask_words, 1, 1)
+            argv = block[1]
+        blocks = -(-n // per_block)
+        if blocks > max_blocks:
+            blocks = max_blocks
+        if _ctx_get_current() == ctx:  # (run's check, inline: one call less)
+            _launch_kernel(ptr, blocks, 1, 1, threads, 1, 1, 0, stream, argv, 0)
         else:
-            run(k.ptr, k.ctx, (blocks, 1), k.threads, stream, s.argv_ptr)
+            run(ptr, ctx, (blocks, 1), threads, stream, argv)
 
 
 def launch(

@@ -171,6 +171,42 @@ def test_launch_makes_the_kernels_context_current(monkeypatch):
     assert calls == [("set", 0xC0), ("launch", 0xC0), ("set", 0xD1)] and current["ctx"] == 0xD1
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["float", "double"])
+def test_launch_packs_the_params_block(monkeypatch, wide):
+    """The block the driver receives, decoded: per-call fields and the scalars,
+    without a bias (each thread's own block) and with one, from two threads."""
+    import ctypes
+    import threading
+
+    from cupy_act import _launch
+    from cupy_act._loader import Kernel
+
+    pack = _launch._PARAMS_F64 if wide else _launch._PARAMS_F32
+    seen = []
+    monkeypatch.setattr(_launch, "_ctx_get_current", lambda: 0xC0)
+
+    def record(ptr, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
+        block = ctypes.c_void_p.from_address(argv).value
+        seen.append(((gx, bx, stream), pack.unpack(ctypes.string_at(block, pack.size))))
+
+    monkeypatch.setattr(_launch, "_launch_kernel", record)
+    k = Kernel(ptr=1, threads=128, per_block=512, max_blocks=3, wide=wide, ctx=0xC0, function=None)
+    launch = _launch.Launch(k, 0.25, -0.5)
+    launch(7, 1000, 0x100, 0x200)
+    launch(7, 10**6, 0x300, 0x400, 0x500, 9, 0x600, 35, 4)
+    launch(8, 1, 0x700, 0x800, 0x900, 1)  # no bias again: its block kept the scalars
+    t = threading.Thread(target=launch, args=(9, 513, 0xA00, 0xB00))
+    t.start()
+    t.join()
+    assert seen == [
+        ((2, 128, 7), (0x100, 0x200, 0, 0, 1000, 0, 1, 1, 0.25, -0.5, 1.0, 1.0, 1.0)),
+        ((3, 128, 7), (0x300, 0x400, 0x500, 0x600, 10**6, 9, 35, 4, 0.25, -0.5, 1.0, 1 / 35, 0.25)),
+        ((1, 128, 8), (0x700, 0x800, 0x900, 0, 1, 1, 1, 1, 0.25, -0.5, 1.0, 1.0, 1.0)),
+        ((2, 128, 9), (0xA00, 0xB00, 0, 0, 513, 0, 1, 1, 0.25, -0.5, 1.0, 1.0, 1.0)),
+    ]
+    assert len(launch._blocks) == 2  # one block per thread that launched without a bias
+
+
 def test_unwritable_kernel_cache_compiles_in_memory(monkeypatch, tmp_path):
     """CUPY_CACHE_DIR under a file: one warning naming it, then in-memory compiles."""
     import os

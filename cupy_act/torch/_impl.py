@@ -346,6 +346,20 @@ def new_mask(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(mask_nbytes(x.numel()), dtype=torch.uint8)
 
 
+_U8: dict = {}  # CUDA device index -> an empty uint8 tensor there
+
+
+def _cuda_mask(x: torch.Tensor) -> torch.Tensor:
+    """new_mask for a CUDA tensor in eager mode: new_empty() of a cached uint8
+    tensor takes no dtype argument, 0.7 us less per call on the GPU host
+    (scripts/diagnose.py torch)."""
+    dev = x.get_device()
+    u8 = _U8.get(dev)
+    if u8 is None:
+        u8 = _U8[dev] = x.new_empty(0, dtype=torch.uint8)
+    return u8.new_empty((x.numel() + 127) // 128 * 16)  # mask_nbytes
+
+
 def forward(x, op: str, slope: float, divisor: float, bias):
     """y = op(x) without a mask (inference, or no gradient needed)."""
     if not x.is_cuda:
@@ -354,7 +368,15 @@ def forward(x, op: str, slope: float, divisor: float, bias):
     if not x.is_contiguous():  # (_layout, inline: the no-grad call's host time counts)
         x, cl = _layout(x)
     y = torch.empty_like(x)
-    _launch_cuda("forward", op, x, y, None, bias, slope, divisor, cl)
+    n = x.numel()
+    if bias is not None or n == 0:
+        _launch_cuda("forward", op, x, y, None, bias, slope, divisor, cl)
+        return y
+    dev = x.get_device()  # (_launch_cuda's no-bias launch, inline: one call less)
+    launch = _launches.get((op, "forward", x.dtype, dev, True, slope, divisor))
+    if launch is None:
+        launch = _new_launch(op, "forward", x.dtype, dev, True, slope, divisor)
+    launch(_raw_stream(dev), n, x.data_ptr(), y.data_ptr())
     return y
 
 
@@ -371,7 +393,7 @@ def forward_mask_layout(x, op: str, slope: float, divisor: float, bias):
         return arrange(y, cl), host_mask(op, t, cl), cl
     x, cl = _layout(x)
     y = torch.empty_like(x)
-    mask = new_mask(x)
+    mask = _cuda_mask(x)
     _launch_cuda("forward_mask", op, x, y, mask, bias, slope, divisor, cl)
     return y, mask, cl
 
@@ -384,7 +406,7 @@ def forward_mask_(x, op: str, slope: float, divisor: float, bias, with_mask: boo
         x.copy_(y)
         return mask
     work, cl = _layout(x)
-    mask = new_mask(x) if with_mask else None
+    mask = _cuda_mask(x) if with_mask else None
     _launch_cuda(
         "forward_mask" if with_mask else "forward", op, work, work, mask, bias, slope, divisor, cl
     )
