@@ -1,4 +1,4 @@
-"""The one generic launcher: every op and kind goes through ``launch``.
+"""The one generic launcher: every op and kind goes through a ``Launch``.
 
 It packs the ``Params`` block of ``cuda/params.cuh`` into a per-thread buffer and
 calls ``cuLaunchKernel`` directly with raw device pointers and the raw stream
@@ -143,25 +143,6 @@ class Launch:
             _launch_kernel(ptr, blocks, 1, 1, threads, 1, 1, 0, stream, argv, 0)
         else:
             run(ptr, ctx, (blocks, 1), threads, stream, argv)
-
-
-def launch(
-    kernel: Kernel,
-    stream: int,
-    n: int,
-    x: int,
-    y: int,
-    mask: int = 0,
-    mask_words: int = 0,
-    bias: int = 0,
-    inner: int = 1,
-    channels: int = 1,
-    slope: float = 0.0,
-    scale: float = 1.0,
-) -> None:
-    """Launch ``kernel`` once with these scalars (see ``Launch``, which callers
-    that launch again with the same scalars keep instead)."""
-    Launch(kernel, slope, scale)(stream, n, x, y, mask, mask_words, bias, inner, channels)
 
 
 def run(

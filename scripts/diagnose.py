@@ -106,30 +106,12 @@ def diagnose_mask() -> None:
             copy_ms = median_ms(lambda: y.copy_(x))
             res.setdefault("copy (ms)", []).append(copy_ms)
             for c in configs:
-                k = kernels[c][0]
-                t = median_ms(
-                    lambda: _launch.launch(
-                        k,
-                        stream,
-                        n,
-                        x.data_ptr(),
-                        y.data_ptr(),
-                        mask.data_ptr(),
-                        mask.numel() // 4,
-                        0,
-                        1,
-                        1,
-                        0.01,
-                        1.0,
-                    )
-                )
+                run = _launch.Launch(kernels[c][0], 0.01, 1.0)
+                xp, yp, mp = x.data_ptr(), y.data_ptr(), mask.data_ptr()
+                t = median_ms(lambda: run(stream, n, xp, yp, mp, mask.numel() // 4))
                 res.setdefault(f"{c[0]}, {c[1]} vectors/thread", []).append(t / copy_ms)
-            k = kernels[configs[0]][1]
-            t = median_ms(
-                lambda: _launch.launch(
-                    k, stream, n, x.data_ptr(), y.data_ptr(), 0, 0, 0, 1, 1, 0.01, 1.0
-                )
-            )
+            run = _launch.Launch(kernels[configs[0]][1], 0.01, 1.0)
+            t = median_ms(lambda: run(stream, n, x.data_ptr(), y.data_ptr()))
             res.setdefault("forward, no mask", []).append(t / copy_ms)
         print(f"{dtype}: time over the copy's, three rounds")
         for name, v in res.items():

@@ -158,16 +158,16 @@ def test_launch_makes_the_kernels_context_current(monkeypatch):
         ptr=1, threads=128, per_block=512, max_blocks=10, wide=False, ctx=0xC0, function=None
     )
     # no context current (a fresh thread): made current and left current
-    _launch.launch(k, 0, 100, 0, 0)
+    _launch.Launch(k, 0.0, 1.0)(0, 100, 0, 0)
     assert calls == [("set", 0xC0), ("launch", 0xC0)] and current["ctx"] == 0xC0
     # the kernel's context current: one check, no switch
     calls.clear()
-    _launch.launch(k, 0, 100, 0, 0)
+    _launch.Launch(k, 0.0, 1.0)(0, 100, 0, 0)
     assert calls == [("launch", 0xC0)]
     # another device's context current: switched for the launch, then restored
     calls.clear()
     current["ctx"] = 0xD1
-    _launch.launch(k, 0, 100, 0, 0)
+    _launch.Launch(k, 0.0, 1.0)(0, 100, 0, 0)
     assert calls == [("set", 0xC0), ("launch", 0xC0), ("set", 0xD1)] and current["ctx"] == 0xD1
 
 
