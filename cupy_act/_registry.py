@@ -38,10 +38,11 @@ class Op:
     functor: str  # C++ functor template in cuda/activations.cuh
     # launch shape per kind ("forward", "forward_mask", "backward"): item size -> vectors
     unroll: dict
-    # PyTorch's forward of the activation on t (what it sees after bias and division)
-    torch_forward: Callable  # (torch, t, slope) -> y
-    # the bit the backward branches on, from t: the mask predicate
-    torch_bit: Callable  # (torch, t) -> bool tensor
+    # PyTorch's forward of the activation on t (what it sees after bias and
+    # division), writing into ``out`` if given (None: a new tensor)
+    torch_forward: Callable  # (torch, t, slope, out) -> y
+    # the bit the backward branches on, from t: the mask predicate, into ``out`` if given
+    torch_bit: Callable  # (torch, t, out) -> bool tensor
     # PyTorch's backward kernel fed a stand-in for t whose sign is the bit,
     # writing into ``out`` if given (None: a new tensor)
     torch_backward: Callable  # (torch, dy, sign, slope, out) -> dx, before any division
@@ -53,20 +54,23 @@ class Op:
     reference: str = ""  # the PyTorch expression, for documentation
 
 
-def _relu_forward(torch, t, slope):
-    return torch.relu(t)
+def _relu_forward(torch, t, slope, out=None):
+    return torch.relu(t) if out is None else torch.ops.aten.relu.out(t, out=out)
 
 
-def _leaky_forward(torch, t, slope):
-    return torch.nn.functional.leaky_relu(t, slope)
+def _leaky_forward(torch, t, slope, out=None):
+    if out is None:
+        return torch.nn.functional.leaky_relu(t, slope)
+    return torch.ops.aten.leaky_relu.out(t, slope, out=out)
 
 
-def _not_at_most_zero(torch, t):
-    return ~(t <= 0)  # set for x > 0 and for NaN: relu passes NaN through
+def _not_at_most_zero(torch, t, out=None):
+    # set for x > 0 and for NaN: relu passes NaN through
+    return ~(t <= 0) if out is None else torch.le(t, 0, out=out).logical_not_()
 
 
-def _greater_than_zero(torch, t):
-    return t > 0
+def _greater_than_zero(torch, t, out=None):
+    return t > 0 if out is None else torch.gt(t, 0, out=out)
 
 
 def _threshold_backward(torch, dy, sign, slope, out):

@@ -5,13 +5,14 @@
 # Logs go to $OUT; a summary is last.
 # Usage (GPU machine, repository root):
 #   [PARTS="conformance tests sanitizer bench overhead selfcheck cold cpu models kernelbench convbench"] \
-#     [BASE=dir] [OVERHEAD_RUNS=2] \
+#     [BASE=dir] [OVERHEAD_RUNS=2] [CPU_RUNS=1] \
 #     [TUNE=1] \
 #     bash scripts/device_run.sh
 # With 2 or more GPUs, the conformance rows run split over the first two GPUs,
 # with the rest of the test suite alongside, and the 2-GPU rows after them.
 # BASE: a copy of another version's cupy_act/ and cuda/ (e.g. the last release),
-# whose overhead is measured in the same run, alternating with this one.
+# whose overhead is measured in the same run, alternating with this one (and
+# its CPU path too, where the copy has its scripts/).
 set -u
 OUT=${OUT:-/tmp/cupy_act_out}; mkdir -p "$OUT"
 PARTS=${PARTS:-"conformance tests sanitizer bench overhead"}
@@ -62,10 +63,10 @@ if has overhead; then
   for i in $(seq ${OVERHEAD_RUNS:-2}); do
     if [ -n "${BASE:-}" ]; then
       echo "== base run $i" >> "$OUT/overhead.log"
-      PYTHONPATH=$PWD/$BASE timeout 60 python3 scripts/overhead.py >> "$OUT/overhead.log" 2>&1
+      PYTHONPATH=$PWD/$BASE timeout 90 python3 scripts/overhead.py ${OVERHEAD_ARGS:-} >> "$OUT/overhead.log" 2>&1
     fi
     echo "== this version, run $i" >> "$OUT/overhead.log"
-    timeout 60 python3 scripts/overhead.py >> "$OUT/overhead.log" 2>&1
+    timeout 90 python3 scripts/overhead.py ${OVERHEAD_ARGS:-} >> "$OUT/overhead.log" 2>&1
   done
 fi
 if has selfcheck; then  # python -m cupy_act: every kernel bit for bit, and a short benchmark
@@ -75,8 +76,15 @@ fi
 if has cold; then
   timeout 120 python3 scripts/cold_start.py > "$OUT/cold.log" 2>&1
 fi
-if has cpu; then
-  timeout 120 python3 scripts/cpu_path.py > "$OUT/cpu_path.log" 2>&1
+if has cpu; then  # with BASE, alternating with BASE's own scripts/cpu_path.py
+  for i in $(seq ${CPU_RUNS:-1}); do
+    if [ -n "${BASE:-}" ] && [ -f "$BASE/scripts/cpu_path.py" ]; then
+      echo "== base run $i" >> "$OUT/cpu_path.log"
+      PYTHONPATH=$PWD/$BASE timeout 120 python3 "$BASE/scripts/cpu_path.py" >> "$OUT/cpu_path.log" 2>&1
+    fi
+    echo "== this version, run $i" >> "$OUT/cpu_path.log"
+    timeout 120 python3 scripts/cpu_path.py >> "$OUT/cpu_path.log" 2>&1
+  done
 fi
 if has kernelbench; then  # the KernelBench seed problems with KernelBench's protocol
   timeout 300 python3 scripts/kernelbench.py --json "$OUT/kernelbench.json" > "$OUT/kernelbench.log" 2>&1

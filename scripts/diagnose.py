@@ -4,6 +4,7 @@
     PYTHONPATH=. python scripts/diagnose.py bias   # the conv epilogue with and without bias
     PYTHONPATH=. python scripts/diagnose.py cupy   # host cost of each step of a CuPy API call
     PYTHONPATH=. python scripts/diagnose.py torch  # the same for a cupy_act.torch call
+    PYTHONPATH=. python scripts/diagnose.py autograd  # where relu's fwd+bwd loses time
 
 mask: builds variants of the forward-with-mask kernel by editing its mask
 store in the assembled source (never store it; store a constant word, so no
@@ -18,12 +19,17 @@ cupy.ElementwiseKernel, to show where the CuPy API's time goes.
 torch: the same for cupy_act.torch.leaky_relu beside F.leaky_relu, with ways
 to allocate the mask, and the bare launch (its arguments packed once) through
 CuPy's driver wrapper and through ctypes, beside torch's cheapest launches.
+autograd: host time per call (as scripts/overhead.py, 65,536 float32) of
+relu's autograd forward + backward and of its forward alone, taking our
+layers away one at a time down to the design floor (``bare_relu`` in
+scripts/overhead.py), and swapping our forward or backward for the bare one.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import threading
 
 import cupy
 import numpy
@@ -231,6 +237,73 @@ def diagnose_torch() -> None:
     _print_steps(steps)
 
 
+def diagnose_autograd() -> None:
+    import torch.nn.functional as F
+    from overhead import bare_relu, per_call_us
+
+    import cupy_act.torch as ct
+    from cupy_act.torch import _autograd, _impl, functional
+
+    x = torch.randn(65536, device="cuda")
+    xg = x.clone().requires_grad_(True)
+    g = torch.randn_like(x)
+    forward, bare, run = bare_relu(x)
+    args = ("relu", 0.0, 1.0, False)
+
+    class OursFwdBareBwd(bare):  # the bare Function's backward
+        @staticmethod
+        def forward(ctx, t):
+            y, mask, _ = _impl.forward_mask_layout(t, "relu", 0.0, 1.0, None)
+            ctx.save_for_backward(mask)
+            return y
+
+    class BareFwdOursBwd(torch.autograd.Function):  # (t, bias): _input_grads reads both
+        @staticmethod
+        def forward(ctx, t, bias):
+            y = torch.empty_like(t)
+            m = _impl._cuda_mask(t)
+            run("forward_mask", t, y, m.data_ptr())
+            ctx.set_materialize_grads(False)
+            ctx.save_for_backward(m)
+            ctx.args = args
+            return y
+
+        @staticmethod
+        def backward(ctx, gy):
+            return _autograd._input_grads(ctx, gy)[:2]
+
+    class OursImplBwd(OursFwdBareBwd):  # our forward, _impl.backward directly
+        @staticmethod
+        def backward(ctx, gy):
+            (m,) = ctx.saved_tensors
+            return _impl.backward(gy, m, *args)
+
+    def cxx(fn):  # the C++ apply, as functional uses it
+        return super(torch.autograd.Function, fn).apply
+
+    def grad(f, *a):
+        return lambda: torch.autograd.grad(f(xg, *a), xg, g)
+
+    rows = {
+        "F.relu fwd+bwd": grad(F.relu),
+        "design floor (bare) fwd+bwd": grad(cxx(bare)),
+        "ct.relu fwd+bwd": grad(ct.relu),
+        "functional._act (no _apply)": grad(functional._act, None, "relu", 0.0, 1.0),
+        "EagerAct through the C++ apply": grad(cxx(_autograd.EagerAct), None, "relu", 0.0, 1.0),
+        "our fwd, _impl.backward": grad(cxx(OursImplBwd)),
+        "our fwd, bare bwd": grad(cxx(OursFwdBareBwd)),
+        "bare fwd, our bwd (_input_grads)": grad(cxx(BareFwdOursBwd), None),
+        "F.relu fwd": lambda: F.relu(x),
+        "design floor (bare) fwd": lambda: forward(x),
+        "ct.relu fwd": lambda: ct.relu(x),
+        "functional._apply fwd": lambda: functional._apply("f", "relu", x, 0.0, 1.0, None, False),
+        "_impl.forward": lambda: _impl.forward(x, "relu", 0.0, 1.0, None),
+    }
+    times = per_call_us(list(rows.values()), 2000, 9)
+    for name, us in zip(rows, times):
+        print(f"{name:34s} {us:7.2f} us")
+
+
 def _raw_launches(launch, stream: int, x, y) -> dict:
     """The launch alone, its argument block packed once, through CuPy's driver
     wrapper and through ctypes; and the cheapest launches torch makes from
@@ -238,8 +311,8 @@ def _raw_launches(launch, stream: int, x, y) -> dict:
     import ctypes
 
     k = launch.kernel
-    launch(stream, 65536, x.data_ptr(), y.data_ptr())  # leaves its block in the scratch
-    argv = _launch._scratch.argv_ptr
+    launch(stream, 65536, x.data_ptr(), y.data_ptr())  # fills this thread's block
+    argv = launch._blocks[threading.get_ident()][1]
     drv = cupy.cuda.driver
     f = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
     f.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
@@ -259,10 +332,10 @@ def _raw_launches(launch, stream: int, x, y) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["mask", "bias", "cupy", "torch"])
+    ap.add_argument("what", choices=["mask", "bias", "cupy", "torch", "autograd"])
     args = ap.parse_args()
     whats = {"mask": diagnose_mask, "bias": diagnose_bias, "cupy": diagnose_cupy}
-    whats["torch"] = diagnose_torch
+    whats["torch"], whats["autograd"] = diagnose_torch, diagnose_autograd
     whats[args.what]()
 
 

@@ -20,6 +20,7 @@ writes into a given one, with a copy and cupy.maximum as further anchors.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import time
 
 import torch
@@ -122,9 +123,11 @@ def main() -> None:
             print(f"  {oop:32s} {ours_us[name] / ours_us[oop]:6.3f}x")
 
     # The floor for any Python autograd.Function: one that only calls torch's own
-    # relu and threshold_backward, timed against F.relu in the same way.
+    # relu and threshold_backward, timed against F.relu in the same way; then
+    # the floor of this design, timed against F.relu and ours.
     if not args.no_cupy:
         cupy_rows(args.n, args.calls, args.repeats)
+    design_floor_rows(x, xg, g, args.calls, args.repeats)
     for label, ref, floor in (
         ("torch.relu", fwd_bwd(F.relu), fwd_bwd(_TorchRelu.apply)),
         (
@@ -213,6 +216,85 @@ def cupy_rows(n: int, calls: int, repeats: int) -> None:
         print(
             f"{name:26s} {t[0]:8.2f} {t[1]:8.2f} {t[1] / t[0]:5.2f}x {t[2]:8.2f} {t[3]:9.2f} "
             f"{t[3] / t[2]:5.2f}x"
+        )
+
+
+def bare_relu(x):
+    """relu from Python as this design does it, with nothing but the work every
+    call must do, for tensors shaped like x: (forward, Function, run). The
+    forward allocates y and launches our kernel through CuPy's driver binding
+    with an argument block packed in advance. The Function (to be called
+    through the C++ apply, as ours is) also allocates and saves the mask; its
+    backward allocates dx and launches the backward kernel. run(kind, src,
+    dst, mask_ptr) is one such launch. No checks, no routing, no caches."""
+    import cupy
+
+    from cupy_act._launch import _HEAD
+    from cupy_act._plan import plan
+
+    launch_kernel = cupy.cuda.driver.launchKernel
+    raw_stream = torch._C._cuda_getCurrentRawStream
+    n, dev = x.numel(), x.get_device()
+    words = (n + 127) // 128 * 4
+    u8 = x.new_empty(0, dtype=torch.uint8)
+
+    def bare(kind):
+        p = plan(dev, "relu", "float32", kind, False, 0.0, 1.0, "design floor")
+        k = p.kernel
+        buf = ctypes.create_string_buffer(p._block0, len(p._block0))
+        argv = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
+        blocks = min(-(-n // k.per_block), k.max_blocks)
+        return buf, argv, ctypes.addressof(argv), (k.ptr, blocks, 1, 1, k.threads, 1, 1, 0)
+
+    blocks = {kind: bare(kind) for kind in ("forward", "forward_mask", "backward")}
+
+    def run(kind, src, dst, mask):
+        b = blocks[kind]
+        _HEAD.pack_into(b[0], 0, src.data_ptr(), dst.data_ptr(), mask, 0, n, words, 1, 1)
+        launch_kernel(*b[3], raw_stream(dev), b[2], 0)
+
+    def forward(t):
+        y = torch.empty_like(t)
+        run("forward", t, y, 0)
+        return y
+
+    class Bare(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            y = torch.empty_like(t)
+            m = u8.new_empty(words * 4)
+            run("forward_mask", t, y, m.data_ptr())
+            ctx.save_for_backward(m)
+            return y
+
+        @staticmethod
+        def backward(ctx, gy):
+            (m,) = ctx.saved_tensors
+            dx = torch.empty_like(gy)
+            run("backward", gy, dx, m.data_ptr())
+            return dx
+
+    return forward, Bare, run
+
+
+def design_floor_rows(x, xg, g, calls: int, repeats: int) -> None:
+    """The floor of this design (``bare_relu``) against torch and ours: the
+    difference from ours is all of our Python glue, from torch the design's."""
+    forward, bare, _ = bare_relu(x)
+    bare_apply = super(torch.autograd.Function, bare).apply  # the C++ apply, as ours
+    for label, ref, floor, ours in (
+        ("relu fwd", lambda: F.relu(x), lambda: forward(x), lambda: ct.relu(x)),
+        (
+            "relu fwd+bwd",
+            lambda: torch.autograd.grad(F.relu(xg), xg, g),
+            lambda: torch.autograd.grad(bare_apply(xg), xg, g),
+            lambda: torch.autograd.grad(ct.relu(xg), xg, g),
+        ),
+    ):
+        t_ref, t_floor, t_ours = per_call_us((ref, floor, ours), calls, repeats)
+        print(
+            f"design floor, {label}: {t_floor:.2f} us = {t_floor / t_ref:.2f}x torch's "
+            f"{t_ref:.2f} us; ours {t_ours:.2f} us = {t_ours / t_ref:.2f}x"
         )
 
 

@@ -73,15 +73,18 @@ def test_forward_and_gradient_bit_exact(case, n, layout, dtype, device):
         assert_bits_equal(dx, expected_dx, "gradient vs the original layout")
 
 
+@pytest.mark.parametrize("piece", [1 << 14, (1 << 14) + 24], ids=["piece_2^14", "piece_odd"])
 @pytest.mark.parametrize("dtype", testing.DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last", "expanded_dy"])
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_cpu_path_in_pieces(case, layout, dtype, monkeypatch):
-    """The CPU path packs and unpacks masks a piece at a time: over several
-    pieces and an odd tail, masks, outputs and gradients are still PyTorch's bits."""
+def test_cpu_path_in_pieces(case, layout, dtype, piece, monkeypatch):
+    """The CPU path runs a piece at a time (masks; for float32 and float64 also
+    PyTorch's kernels): over several pieces and an odd tail, masks, outputs and
+    gradients are still PyTorch's bits, and so with pieces that start off the
+    vector alignment (scalar loops where the whole tensor has vector lanes)."""
     from cupy_act.torch import _impl
 
-    monkeypatch.setattr(_impl, "_PIECE", 1 << 14)  # (smaller pieces, same code)
+    monkeypatch.setattr(_impl, "_PIECE", piece)  # (smaller pieces, same code)
     op, slope, divisor = case
     n = 5 * _impl._PIECE + 4097
     x = testing.make_input(n, dtype, "cpu", 7)
@@ -103,6 +106,24 @@ def test_cpu_path_in_pieces(case, layout, dtype, monkeypatch):
     (dx,) = torch.autograd.grad(call(op, xr, slope, divisor), xr, dy)
     assert_bits_equal(dx, testing.backward(op, x, dy, slope, divisor), "gradient")
     assert dx.is_contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+
+
+@pytest.mark.parametrize("dtype", testing.DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_registry_out_forms(case, dtype):
+    """The registry's reference with ``out=`` (what the CPU path writes into its
+    own buffers) gives the bits of its form without (PyTorch's op, checked
+    against independent expressions in the conformance suite)."""
+    op, slope, _ = case
+    spec = OPS[op]
+    t = testing.make_input(4099, dtype, "cpu", 11)
+    y = torch.full_like(t, 7.0)  # poisoned: every element must be written
+    assert spec.torch_forward(torch, t, slope, y) is y
+    assert_bits_equal(y, spec.torch_forward(torch, t, slope, None), "forward out=")
+    bits = torch.zeros(t.numel(), dtype=torch.bool)
+    assert spec.torch_bit(torch, t, bits) is bits
+    assert torch.equal(bits, spec.torch_bit(torch, t, None))
+    assert 0 < int(bits.sum()) < t.numel()
 
 
 @pytest.mark.parametrize("device", DEVICES)
