@@ -3,18 +3,19 @@
     PYTHONPATH=. python scripts/overhead.py [--n 65536] [--calls 2000]
 
 For each case: the wall time of --calls back-to-back calls divided by --calls
-(after warm-up), the least of --repeats repeats, measured in one run with
-torch's and our repeats interleaved. The least
-is the run the rest of the machine disturbed least: on a shared host the median
-of the same runs moved by 10-20% between runs (seen on an H200 machine). "fwd"
-calls the activation with no gradient needed; "fwd+bwd" runs autograd forward
-and backward (torch.autograd.grad) from a leaf that requires grad; the "x*1"
-rows call the op on x * 1 (a non-leaf, as in a model, so in place is allowed),
-out of place and in place, forward alone under autograd and forward + backward,
-and compare our in-place calls with our out-of-place ones. The CuPy rows time
-every op and kind of the CuPy API, with and without out= (and mask=), against
-a cupy.ElementwiseKernel (LeakyReLU) that allocates its output and one that
-writes into a given one, with a copy and cupy.maximum as further anchors.
+(after warm-up: every case runs --calls times before the first is timed), the
+least of --repeats repeats, measured in one run with torch's and our repeats
+interleaved. The least is the run the rest of the machine disturbed least: on
+a shared host the median of the same runs moved by 10-20% between runs (seen
+on an H200 machine). "fwd" calls the activation with no gradient needed;
+"fwd+bwd" runs autograd forward and backward (torch.autograd.grad) from a
+leaf that requires grad; the "x*1" rows call the op on x * 1 (a non-leaf, as
+in a model, so in place is allowed), out of place and in place, forward alone
+under autograd and forward + backward, and compare our in-place calls with
+our out-of-place ones. The CuPy rows time every op and kind of the CuPy API,
+with and without out= (and mask=), against a cupy.ElementwiseKernel
+(LeakyReLU) that allocates its output and one that writes into a given one,
+with a copy and cupy.maximum as further anchors.
 """
 
 from __future__ import annotations
@@ -112,6 +113,9 @@ def main() -> None:
     )
     print(f"{'case':34s} {'torch us':>9s} {'cupy_act us':>12s} {'ratio':>7s}")
     ours_us = {}
+    # Every case runs once before any is timed, so the first row is not also
+    # the process's first work (the host's clocks and caches settle first).
+    per_call_us([f for _, ref, ours in cases for f in (ref, ours)], args.calls, 1)
     for name, ref, ours in cases:
         t_ref, t_ours = per_call_us((ref, ours), args.calls, args.repeats)
         ours_us[name] = t_ours
