@@ -78,10 +78,11 @@ def test_forward_and_gradient_bit_exact(case, n, layout, dtype, device):
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last", "expanded_dy"])
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_cpu_path_in_pieces(case, layout, dtype, piece, monkeypatch):
-    """The CPU path runs a piece at a time (masks; for float32 and float64 also
-    PyTorch's kernels): over several pieces and an odd tail, masks, outputs and
-    gradients are still PyTorch's bits, and so with pieces that start off the
-    vector alignment (scalar loops where the whole tensor has vector lanes)."""
+    """The CPU path runs a piece at a time (masks; in float32 and float64 also
+    the forward of an op with a divisor): over several pieces and an odd tail,
+    masks, outputs and gradients are still PyTorch's bits, and so with pieces
+    that start off the vector alignment (scalar loops where the whole tensor
+    has vector lanes)."""
     from cupy_act.torch import _impl
 
     monkeypatch.setattr(_impl, "_PIECE", piece)  # (smaller pieces, same code)

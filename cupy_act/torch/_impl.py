@@ -280,7 +280,7 @@ def backward_from_bits(op, dy, bits, slope, divisor):
 # divide; NaNs come out alike), so the forward of an op with a divisor runs a
 # piece at a time, t = x / divisor written into y's piece and read there while
 # in cache, instead of into a full-size temporary (16 threads, 2^24 float32:
-# div_leaky_relu fwd+bwd 1.02-1.06x torch against 1.17-1.18x). Without a
+# div_leaky_relu fwd+bwd 0.95-1.04x torch against 1.19-1.21x). Without a
 # divisor, the whole-tensor forward and a separate pass for the bits measured
 # faster on that host than the forward in pieces (relu 1.85-1.97x against
 # 2.03-2.08x, leaky_relu 1.72-1.75x against 1.90-1.92x): each piece costs
