@@ -334,13 +334,13 @@ def _host_forward_mask(op, x, slope, divisor, channels_last):
     predicate reads it there, and the activation then runs in place on it
     (PyTorch's kernel on the same t). Every step writes into memory it already
     has: a new buffer costs its page faults, as much as its traffic (above)."""
-    divided = _registry.OPS[op].divisor and x.dtype in _LANEWISE
+    spec = _registry.OPS[op]
+    divided = spec.divisor and x.dtype in _LANEWISE
     flat = _walk_view(x, channels_last) if divided else None
     if flat is None:
         return None
     y = torch.empty_like(x)  # (dense x: the same strides, so the same walk)
     y_flat = _walk_view(y, channels_last)
-    spec = _registry.OPS[op]
     n = flat.numel()
     out = numpy.zeros(mask_nbytes(n), dtype=numpy.uint8)
     bit_buf = torch.empty(min(n, _PIECE), dtype=torch.bool)

@@ -99,10 +99,10 @@ def _needs_grad(x, bias) -> bool:
 
 def _apply(fname, op, x, slope, divisor, bias, inplace):
     # The common call (float scalars, a finite non-zero divisor, a tensor of a
-    # supported dtype, no bias) passes _check's tests in one expression (0.1
-    # us less on the 2-core CPU machine; leaky_relu's no-grad forward went
-    # from 1.14-1.15x to 1.10-1.11x torch on an H200 host, scripts/overhead.py);
-    # anything else goes through _check, which names what is wrong.
+    # supported dtype, no bias) passes _check's tests in one expression
+    # (leaky_relu's no-grad forward went from 1.14-1.15x to 1.10-1.11x torch
+    # on an H200 host, scripts/overhead.py); anything else goes through
+    # _check, which names what is wrong.
     if not (
         type(slope) is float
         and type(divisor) is float
