@@ -5,6 +5,7 @@
     PYTHONPATH=. python scripts/diagnose.py cupy   # host cost of each step of a CuPy API call
     PYTHONPATH=. python scripts/diagnose.py torch  # the same for a cupy_act.torch call
     PYTHONPATH=. python scripts/diagnose.py autograd  # where relu's fwd+bwd loses time
+    PYTHONPATH=. python scripts/diagnose.py wake   # fwd+bwd against added host work
 
 mask: builds variants of the forward-with-mask kernel by editing its mask
 store in the assembled source (never store it; store a constant word, so no
@@ -22,7 +23,16 @@ CuPy's driver wrapper and through ctypes, beside torch's cheapest launches.
 autograd: host time per call (as scripts/overhead.py, 65,536 float32) of
 relu's autograd forward + backward and of its forward alone, taking our
 layers away one at a time down to the design floor (``bare_relu`` in
-scripts/overhead.py), and swapping our forward or backward for the bare one.
+scripts/overhead.py), swapping our forward or backward for the bare one, and
+giving the bare Function more inputs, set_materialize_grads(False) or a
+tuple on ctx (what ours has and it has not). (With the cyclic garbage
+collector off the rows moved by no more than their noise, H200 host.)
+wake: whether a fwd+bwd's wall time grows by the host work added to it. The
+design floor's Function is timed with d us of busy work added to its forward
+(on the calling thread) or to its backward (on the autograd engine's device
+thread), d = 0 to 16, beside F.relu, ours and a Python Function around
+torch.relu; each row gives wall time and process CPU time per call (all
+threads; a thread asleep waiting for another costs none).
 """
 
 from __future__ import annotations
@@ -261,7 +271,7 @@ def diagnose_autograd() -> None:
         @staticmethod
         def forward(ctx, t, bias):
             y = torch.empty_like(t)
-            m = _impl._cuda_mask(t)
+            m = _impl._cuda_mask(t, t.get_device(), t.numel())
             run("forward_mask", t, y, m.data_ptr())
             ctx.set_materialize_grads(False)
             ctx.save_for_backward(m)
@@ -278,14 +288,57 @@ def diagnose_autograd() -> None:
             (m,) = ctx.saved_tensors
             return _impl.backward(gy, m, *args)
 
+    class BareAsOurs(torch.autograd.Function):  # bare work in our Function's shape
+        @staticmethod
+        def forward(ctx, t, bias, op, slope, divisor):
+            ctx.set_materialize_grads(False)
+            ctx.args = args
+            return bare.forward(ctx, t)
+
+        @staticmethod
+        def backward(ctx, gy):
+            return bare.backward(ctx, gy), None, None, None, None
+
+    def shaped(n_args: int, materialize: bool, ctx_args: bool):
+        """The bare Function with n_args inputs (the rest plain Python values),
+        set_materialize_grads(False) or not, and a tuple on ctx or not."""
+
+        class Shaped(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, t, *rest):
+                if not materialize:
+                    ctx.set_materialize_grads(False)
+                if ctx_args:
+                    ctx.args = args
+                return bare.forward(ctx, t)
+
+            @staticmethod
+            def backward(ctx, gy):
+                return (bare.backward(ctx, gy),) + (None,) * (n_args - 1)
+
+        return super(torch.autograd.Function, Shaped).apply
+
     def cxx(fn):  # the C++ apply, as functional uses it
         return super(torch.autograd.Function, fn).apply
 
     def grad(f, *a):
         return lambda: torch.autograd.grad(f(xg, *a), xg, g)
 
+    five = (None, "relu", 0.0, 1.0)
     rows = {
-        "F.relu fwd+bwd": grad(F.relu),
+        "F.relu fwd (grad)": lambda: F.relu(xg),
+        "design floor (bare) fwd (grad)": lambda: cxx(bare)(xg),
+        "bare in our Function's shape (grad)": lambda: cxx(BareAsOurs)(xg, *five),
+        "EagerAct, C++ apply fwd (grad)": lambda: cxx(_autograd.EagerAct)(xg, *five),
+        "functional._act fwd (grad)": lambda: functional._act(xg, *five),
+        "ct.relu fwd (grad)": lambda: ct.relu(xg),
+        "F.relu fwd+bwd": grad(F.relu),  # (first: the bare launches need the
+        # context that torch's backward makes current on the engine's device thread)
+        "bare in our Function's shape": grad(cxx(BareAsOurs), *five),
+        "bare, 5 inputs": grad(shaped(5, True, False), *five),
+        "bare, 2 inputs": grad(shaped(2, True, False), args),
+        "bare, set_materialize_grads(False)": grad(shaped(1, False, False)),
+        "bare, ctx.args": grad(shaped(1, True, True)),
         "design floor (bare) fwd+bwd": grad(cxx(bare)),
         "ct.relu fwd+bwd": grad(ct.relu),
         "functional._act (no _apply)": grad(functional._act, None, "relu", 0.0, 1.0),
@@ -301,7 +354,70 @@ def diagnose_autograd() -> None:
     }
     times = per_call_us(list(rows.values()), 2000, 9)
     for name, us in zip(rows, times):
-        print(f"{name:34s} {us:7.2f} us")
+        print(f"{name:36s} {us:7.2f} us")
+
+
+def diagnose_wake() -> None:
+    import time
+
+    import torch.nn.functional as F
+    from overhead import _TorchRelu, bare_relu
+
+    import cupy_act.torch as ct
+
+    x = torch.randn(65536, device="cuda")
+    xg = x.clone().requires_grad_(True)
+    g = torch.randn_like(x)
+    _, bare, _ = bare_relu(x)
+
+    def busy(us: float) -> None:
+        end = time.perf_counter() + us * 1e-6
+        while time.perf_counter() < end:
+            pass
+
+    def delayed(where: str, us: float):
+        class Delayed(bare):
+            @staticmethod
+            def forward(ctx, t):
+                if where == "fwd":
+                    busy(us)
+                return bare.forward(ctx, t)
+
+            @staticmethod
+            def backward(ctx, gy):
+                if where == "bwd":
+                    busy(us)
+                return bare.backward(ctx, gy)
+
+        return super(torch.autograd.Function, Delayed).apply
+
+    def grad(f):
+        return lambda: torch.autograd.grad(f(xg), xg, g)
+
+    rows = {"F.relu": grad(F.relu), "ct.relu": grad(ct.relu)}
+    rows["Python Function around torch.relu"] = grad(_TorchRelu.apply)
+    for where in ("fwd", "bwd"):
+        for us in (0, 1, 2, 4, 8, 16):
+            rows[f"design floor + {us} us in {where}"] = grad(delayed(where, us))
+    fns = list(rows.values())
+    for fn in fns:
+        for _ in range(500):
+            fn()
+    torch.cuda.synchronize()
+    wall = [float("inf")] * len(fns)
+    cpu = [float("inf")] * len(fns)
+    calls = 2000
+    for _ in range(9):
+        for i, fn in enumerate(fns):
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            wall[i] = min(wall[i], (time.perf_counter() - t0) / calls * 1e6)
+            cpu[i] = min(cpu[i], (time.process_time() - c0) / calls * 1e6)
+    print(f"{'relu fwd+bwd, 65536 float32':40s} {'wall us':>8s} {'cpu us':>8s}")
+    for name, w, c in zip(rows, wall, cpu):
+        print(f"{name:40s} {w:8.2f} {c:8.2f}")
 
 
 def _raw_launches(launch, stream: int, x, y) -> dict:
@@ -332,10 +448,11 @@ def _raw_launches(launch, stream: int, x, y) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["mask", "bias", "cupy", "torch", "autograd"])
+    ap.add_argument("what", choices=["mask", "bias", "cupy", "torch", "autograd", "wake"])
     args = ap.parse_args()
     whats = {"mask": diagnose_mask, "bias": diagnose_bias, "cupy": diagnose_cupy}
     whats["torch"], whats["autograd"] = diagnose_torch, diagnose_autograd
+    whats["wake"] = diagnose_wake
     whats[args.what]()
 
 

@@ -15,7 +15,10 @@ under autograd and forward + backward, and compare our in-place calls with
 our out-of-place ones. The CuPy rows time every op and kind of the CuPy API,
 with and without out= (and mask=), against a cupy.ElementwiseKernel
 (LeakyReLU) that allocates its output and one that writes into a given one,
-with a copy and cupy.maximum as further anchors.
+with a copy and cupy.maximum as further anchors. Last come the floors: the
+design floor (``bare_relu``: relu with nothing but the necessary work), also
+as a Function of our signature (5 inputs, ctx.args, no materialized grads),
+and a Python autograd.Function around torch's own relu.
 """
 
 from __future__ import annotations
@@ -285,21 +288,45 @@ def design_floor_rows(x, xg, g, calls: int, repeats: int) -> None:
     """The floor of this design (``bare_relu``) against torch and ours: the
     difference from ours is all of our Python glue, from torch the design's."""
     forward, bare, _ = bare_relu(x)
+
+    class Shaped(torch.autograd.Function):  # the bare work in our Function's shape
+        @staticmethod
+        def forward(ctx, t, bias, op, slope, divisor):
+            ctx.set_materialize_grads(False)
+            ctx.args = (op, slope, divisor, False)
+            return bare.forward(ctx, t)
+
+        @staticmethod
+        def backward(ctx, gy):
+            return bare.backward(ctx, gy), None, None, None, None
+
     bare_apply = super(torch.autograd.Function, bare).apply  # the C++ apply, as ours
-    for label, ref, floor, ours in (
-        ("relu fwd", lambda: F.relu(x), lambda: forward(x), lambda: ct.relu(x)),
+    shaped_apply = super(torch.autograd.Function, Shaped).apply
+    t_ref, t_bare, t_shaped, t_ours = per_call_us(
         (
-            "relu fwd+bwd",
             lambda: torch.autograd.grad(F.relu(xg), xg, g),
             lambda: torch.autograd.grad(bare_apply(xg), xg, g),
+            lambda: torch.autograd.grad(shaped_apply(xg, None, "relu", 0.0, 1.0), xg, g),
             lambda: torch.autograd.grad(ct.relu(xg), xg, g),
         ),
+        calls,
+        repeats,
+    )
+    t_fref, t_fbare, t_fours = per_call_us(
+        (lambda: F.relu(x), lambda: forward(x), lambda: ct.relu(x)), calls, repeats
+    )
+    for label, r, floor, ours in (
+        ("relu fwd", t_fref, t_fbare, t_fours),
+        ("relu fwd+bwd", t_ref, t_bare, t_ours),
     ):
-        t_ref, t_floor, t_ours = per_call_us((ref, floor, ours), calls, repeats)
         print(
-            f"design floor, {label}: {t_floor:.2f} us = {t_floor / t_ref:.2f}x torch's "
-            f"{t_ref:.2f} us; ours {t_ours:.2f} us = {t_ours / t_ref:.2f}x"
+            f"design floor, {label}: {floor:.2f} us = {floor / r:.2f}x torch's "
+            f"{r:.2f} us; ours {ours:.2f} us = {ours / r:.2f}x"
         )
+    print(
+        f"design floor in our Function's shape (5 inputs, ctx.args, no materialized "
+        f"grads), relu fwd+bwd: {t_shaped:.2f} us = {t_shaped / t_ref:.2f}x"
+    )
 
 
 class _TorchRelu(torch.autograd.Function):

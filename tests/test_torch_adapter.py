@@ -327,6 +327,23 @@ def test_opcheck(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_backward_op_refuses_a_mask_that_does_not_fit(device):
+    """torch.ops.cupy_act.backward is public: a mask too short for dy (the kernel
+    would read past it), of another dtype or device is refused, naming it."""
+    from cupy_act.torch import _library as L
+
+    dy = torch.randn(300, device=device)
+    mask = L.forward_mask_op(dy, "relu", 0.0, 1.0, None)[1]
+    assert L.backward_op(dy, mask, "relu", 0.0, 1.0, False).shape == dy.shape
+    cases = [(mask[:-17], "uint8 of 31 elements"), (mask.view(torch.int8), "int8 of 48 elements")]
+    if device == "cuda":  # (a meta mask would send the call to the fake implementation)
+        cases.append((mask.cpu(), "uint8 of 48 elements on cpu"))
+    for bad, what in cases:
+        with pytest.raises(ValueError, match=f"mask is torch.{what}.*at least 48 bytes"):
+            torch.ops.cupy_act.backward(dy, bad, "relu", 0.0, 1.0, False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_autocast_keeps_dtype_and_checkpoint_works(device):
     from torch.utils.checkpoint import checkpoint
 

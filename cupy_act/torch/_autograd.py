@@ -45,13 +45,6 @@ def _batch_first(t: torch.Tensor, dim, batch: int) -> torch.Tensor:
     return t.expand(batch, *t.shape) if dim is None else t.movedim(dim, 0)
 
 
-def mask_backward(gy, mask, op, slope, divisor, channels_last):
-    """dx from the upstream gradient and the mask; differentiable where needed."""
-    if torch.is_grad_enabled() or _functorch_active():
-        return Backward.apply(gy, mask, op, slope, divisor, channels_last)
-    return _impl.backward(gy, mask, op, slope, divisor, channels_last)
-
-
 def _save(ctx, x, op, slope, divisor, mask) -> None:
     """What every Function saves: the mask, and the scalars that go with it."""
     ctx.set_materialize_grads(False)
@@ -61,11 +54,19 @@ def _save(ctx, x, op, slope, divisor, mask) -> None:
     ctx.shape = x.shape
 
 
-def _input_grads(ctx, gy, backward=mask_backward):
-    """(dx, dbias, None, None, None) from the saved mask (Act and ActInplace*)."""
+def _input_grads(ctx, gy, backward=None):
+    """(dx, dbias, None, None, None) from the saved mask (Act and ActInplace*).
+
+    ``backward(gy, mask, op, slope, divisor, channels_last)`` gives dx; by
+    default ``Backward`` where grad mode or a transform needs dx differentiable
+    (double backward), else the kernel alone.
+    """
     if gy is None:
         return None, None, None, None, None
     (mask,) = ctx.saved_tensors
+    if backward is None:
+        differentiable = torch.is_grad_enabled() or _functorch_active()
+        backward = Backward.apply if differentiable else _impl.backward
     dx = backward(gy, mask, *ctx.args)
     return dx, _library.bias_grad(dx) if ctx.needs_input_grad[1] else None, None, None, None
 

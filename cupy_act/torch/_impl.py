@@ -60,40 +60,39 @@ def arrange(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
     return x.contiguous()
 
 
-# The adapter's own cache in front of _plan.plan, keyed by what a call has at
-# hand (its scalars are always Python floats here): 0.3 us less per launch on
-# the GPU host (scripts/diagnose.py torch) than plan's key and name lookups.
-_launches: dict = {}
+class _Launches(dict):
+    """The adapter's own cache in front of _plan.plan: _launches[op, kind, dtype,
+    device index, no_bias, slope, divisor] is the Launch, planned on a miss.
+    Keyed by what a call has at hand (its scalars are always Python floats
+    here): 0.3 us less per launch on the GPU host (scripts/diagnose.py torch)
+    than plan's key and name lookups."""
+
+    def __missing__(self, key):
+        op, kind, dtype, dev, no_bias, slope, divisor = key
+        launch = plan(dev, op, DTYPE_NAMES[dtype], kind, not no_bias, slope, divisor, _FNAMES[op])
+        if slope or not _registry.OPS[op].slope:  # as plan: 0.0 and -0.0 are one key
+            if len(self) >= 4096:  # bounded, as plan's
+                self.clear()
+            self[key] = launch
+        return launch
 
 
-def _new_launch(op, kind, dtype, dev, no_bias, slope, divisor):
-    launch = plan(dev, op, DTYPE_NAMES[dtype], kind, not no_bias, slope, divisor, _FNAMES[op])
-    if slope or not _registry.OPS[op].slope:  # as plan: 0.0 and -0.0 are one key
-        if len(_launches) >= 4096:  # bounded, as plan's
-            _launches.clear()
-        _launches[(op, kind, dtype, dev, no_bias, slope, divisor)] = launch
-    return launch
+_launches = _Launches()
 
 
 def _launch_cuda(kind, op, x, y, mask, bias, slope, divisor, channels_last) -> None:
+    """Launch kind over x into y (with a mask, a bias): any dense layout."""
     n = x.numel()
     if n == 0:
         return
     dev = x.get_device()
-    launch = _launches.get((op, kind, x.dtype, dev, bias is None, slope, divisor))
-    if launch is None:
-        launch = _new_launch(op, kind, x.dtype, dev, bias is None, slope, divisor)
+    launch = _launches[op, kind, x.dtype, dev, bias is None, slope, divisor]
+    mask_ptr, mask_words = (0, 0) if mask is None else (mask.data_ptr(), mask.numel() >> 2)
     if bias is None:
-        if mask is None:
-            launch(_raw_stream(dev), n, x.data_ptr(), y.data_ptr())
-        else:
-            launch(
-                _raw_stream(dev), n, x.data_ptr(), y.data_ptr(), mask.data_ptr(), mask.numel() >> 2
-            )
+        launch(_raw_stream(dev), n, x.data_ptr(), y.data_ptr(), mask_ptr, mask_words)
         return
     channels = x.shape[1]
     inner = 1 if channels_last else math.prod(x.shape[2:])
-    mask_ptr, mask_words = (0, 0) if mask is None else (mask.data_ptr(), mask.numel() >> 2)
     launch(
         _raw_stream(dev),
         n,
@@ -394,34 +393,36 @@ def new_mask(x: torch.Tensor) -> torch.Tensor:
 _U8: dict = {}  # CUDA device index -> an empty uint8 tensor there
 
 
-def _cuda_mask(x: torch.Tensor) -> torch.Tensor:
-    """new_mask for a CUDA tensor in eager mode: new_empty() of a cached uint8
-    tensor takes no dtype argument, 0.7 us less per call on the GPU host
-    (scripts/diagnose.py torch)."""
-    dev = x.get_device()
+def _cuda_mask(x: torch.Tensor, dev: int, n: int) -> torch.Tensor:
+    """new_mask for a CUDA tensor of n elements on device dev, in eager mode:
+    new_empty() of a cached uint8 tensor takes no dtype argument, 0.7 us less
+    per call on the GPU host (scripts/diagnose.py torch)."""
     u8 = _U8.get(dev)
     if u8 is None:
         u8 = _U8[dev] = x.new_empty(0, dtype=torch.uint8)
-    return u8.new_empty((x.numel() + 127) // 128 * 16)  # mask_nbytes
+    return u8.new_empty((n + 127) // 128 * 16)  # mask_nbytes(n)
+
+
+# The hot calls (a CUDA tensor in C order, no bias) below launch inline, each
+# tensor property read once: a Python call or a property costs 0.05-0.1 us on
+# the GPU host, against about 8 us for all of torch.relu.
 
 
 def forward(x, op: str, slope: float, divisor: float, bias):
     """y = op(x) without a mask (inference, or no gradient needed)."""
     if not x.is_cuda:
         return arrange(reference(op, x, slope, divisor, bias)[0], is_channels_last(x))
-    cl = False
-    if not x.is_contiguous():  # (_layout, inline: the no-grad call's host time counts)
+    if bias is not None or not x.is_contiguous():
         x, cl = _layout(x)
-    y = torch.empty_like(x)
-    n = x.numel()
-    if bias is not None or n == 0:
+        y = torch.empty_like(x)
         _launch_cuda("forward", op, x, y, None, bias, slope, divisor, cl)
         return y
-    dev = x.get_device()  # (_launch_cuda's no-bias launch, inline: one call less)
-    launch = _launches.get((op, "forward", x.dtype, dev, True, slope, divisor))
-    if launch is None:
-        launch = _new_launch(op, "forward", x.dtype, dev, True, slope, divisor)
-    launch(_raw_stream(dev), n, x.data_ptr(), y.data_ptr())
+    y = torch.empty_like(x)
+    n = x.numel()
+    if n:
+        dev = x.get_device()
+        launch = _launches[op, "forward", x.dtype, dev, True, slope, divisor]
+        launch(_raw_stream(dev), n, x.data_ptr(), y.data_ptr())
     return y
 
 
@@ -439,11 +440,21 @@ def forward_mask_layout(x, op: str, slope: float, divisor: float, bias):
             return (*made, cl)
         y, t = reference(op, x, slope, divisor, bias)
         return arrange(y, cl), host_mask(op, t, cl), cl
-    x, cl = _layout(x)
+    n = x.numel()
+    dev = x.get_device()
+    if bias is not None or not x.is_contiguous():
+        x, cl = _layout(x)
+        y = torch.empty_like(x)
+        mask = _cuda_mask(x, dev, n)
+        _launch_cuda("forward_mask", op, x, y, mask, bias, slope, divisor, cl)
+        return y, mask, cl
     y = torch.empty_like(x)
-    mask = _cuda_mask(x)
-    _launch_cuda("forward_mask", op, x, y, mask, bias, slope, divisor, cl)
-    return y, mask, cl
+    mask = _cuda_mask(x, dev, n)
+    if n:
+        launch = _launches[op, "forward_mask", x.dtype, dev, True, slope, divisor]
+        words = (n + 127) // 128 * 4  # (the mask's size, from n: no tensor call)
+        launch(_raw_stream(dev), n, x.data_ptr(), y.data_ptr(), mask.data_ptr(), words)
+    return y, mask, False
 
 
 def forward_mask_(x, op: str, slope: float, divisor: float, bias, with_mask: bool = True):
@@ -454,7 +465,7 @@ def forward_mask_(x, op: str, slope: float, divisor: float, bias, with_mask: boo
         x.copy_(y)
         return mask
     work, cl = _layout(x)
-    mask = _cuda_mask(x) if with_mask else None
+    mask = _cuda_mask(x, x.get_device(), x.numel()) if with_mask else None
     _launch_cuda(
         "forward_mask" if with_mask else "forward", op, work, work, mask, bias, slope, divisor, cl
     )
@@ -475,8 +486,13 @@ def backward(dy, mask, op: str, slope: float, divisor: float, channels_last: boo
             b = mask_to_bits(mask, dy.shape, channels_last)
             dx = arrange(backward_from_bits(op, dy, b, slope, divisor), channels_last)
         return dx
-    if not (dy.is_contiguous() and not channels_last):
+    if channels_last or not dy.is_contiguous():
         dy = arrange(dy, channels_last)
     dx = torch.empty_like(dy)
-    _launch_cuda("backward", op, dy, dx, mask, None, slope, divisor, channels_last)
+    n = dy.numel()
+    if n:
+        dev = dy.get_device()
+        launch = _launches[op, "backward", dy.dtype, dev, True, slope, divisor]
+        # (the backward kernel reads n bits; mask_words sizes only the forward's writes)
+        launch(_raw_stream(dev), n, dy.data_ptr(), dx.data_ptr(), mask.data_ptr())
     return dx

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._arrays import mask_nbytes
 from . import _impl
 
 
@@ -49,6 +50,14 @@ def _(x, op, slope, divisor, bias):
 def backward_op(
     dy: Tensor, mask: Tensor, op: str, slope: float, divisor: float, channels_last: bool
 ) -> Tensor:
+    # (callable as torch.ops.cupy_act.backward: the kernel reads dy.numel() bits)
+    need = mask_nbytes(dy.numel())
+    if mask.dtype != torch.uint8 or mask.numel() < need or mask.device != dy.device:
+        raise ValueError(
+            f"cupy_act::backward: mask is {mask.dtype} of {mask.numel()} elements on "
+            f"{mask.device}; expected torch.uint8 of at least {need} bytes on {dy.device} "
+            f"(the packed mask of the forward, for dy's {dy.numel()} elements)"
+        )
     return _impl.backward(dy, mask, op, slope, divisor, channels_last)
 
 

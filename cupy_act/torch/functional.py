@@ -13,14 +13,12 @@
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
-from .. import _registry
 from .._arrays import SUPPORTED
 from .._scalars import check_divisor, check_real
 from . import _autograd, _impl, _library
@@ -28,28 +26,39 @@ from . import _autograd, _impl, _library
 __all__ = ["relu", "leaky_relu", "div_leaky_relu"]
 
 
-def _check(fname: str, op: str, x, slope, divisor, bias) -> None:
+def _check_tensors(fname: str, x, bias):
+    """TypeError or ValueError naming what is wrong with x or bias; else bias,
+    made contiguous (the kernels read it as one row of channels)."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{fname}: input must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _impl.DTYPE_NAMES:
         raise TypeError(f"{fname}: input has dtype {x.dtype}; supported: {SUPPORTED}")
-    spec = _registry.OPS[op]
-    if spec.slope and type(slope) is not float:  # (the common case costs one type check)
-        check_real(slope, "negative_slope", fname)
-    if spec.divisor and not (type(divisor) is float and divisor and math.isfinite(divisor)):
-        check_divisor(divisor, fname)
-    if bias is not None:
-        if not isinstance(bias, Tensor):
-            raise TypeError(f"{fname}: bias must be a torch.Tensor, got {type(bias).__name__}")
-        if x.dim() < 2 or bias.shape != (x.shape[1],):
-            raise ValueError(
-                f"{fname}: bias has shape {tuple(bias.shape)}, expected (channels,) = "
-                f"({x.shape[1] if x.dim() > 1 else '?'},) for input of shape {tuple(x.shape)}"
-            )
-        if bias.dtype != x.dtype or bias.device != x.device:
-            raise TypeError(
-                f"{fname}: bias is {bias.dtype} on {bias.device}, input is {x.dtype} on {x.device}"
-            )
+    if bias is None:
+        return None
+    if not isinstance(bias, Tensor):
+        raise TypeError(f"{fname}: bias must be a torch.Tensor, got {type(bias).__name__}")
+    if x.dim() < 2 or bias.shape != (x.shape[1],):
+        raise ValueError(
+            f"{fname}: bias has shape {tuple(bias.shape)}, expected (channels,) = "
+            f"({x.shape[1] if x.dim() > 1 else '?'},) for input of shape {tuple(x.shape)}"
+        )
+    if bias.dtype != x.dtype or bias.device != x.device:
+        raise TypeError(
+            f"{fname}: bias is {bias.dtype} on {bias.device}, input is {x.dtype} on {x.device}"
+        )
+    return bias.contiguous()
+
+
+def _slope(value, fname: str) -> float:
+    """negative_slope as a Python float, or TypeError/ValueError naming it."""
+    check_real(value, "negative_slope", fname)
+    return float(value)
+
+
+def _divisor(value, fname: str) -> float:
+    """divisor as a Python float, or TypeError/ValueError naming it."""
+    check_divisor(value, fname)
+    return float(value)
 
 
 # Private torch APIs on the hot path, each with a public fallback that is
@@ -98,32 +107,22 @@ def _needs_grad(x, bias) -> bool:
 
 
 def _apply(fname, op, x, slope, divisor, bias, inplace):
-    # The common call (float scalars, a finite non-zero divisor, a tensor of a
-    # supported dtype, no bias) passes _check's tests in one expression
-    # (leaky_relu's no-grad forward went from 1.14-1.15x to 1.10-1.11x torch
-    # on an H200 host, scripts/overhead.py); anything else goes through
-    # _check, which names what is wrong.
-    if not (
-        type(slope) is float
-        and type(divisor) is float
-        and bias is None
-        and isinstance(x, Tensor)
-        and x.dtype in _impl.DTYPE_NAMES
-        and divisor
-        and divisor - divisor == 0.0  # finite
-    ):
-        _check(fname, op, x, slope, divisor, bias)
-        slope, divisor = float(slope), float(divisor)
-        if bias is not None:
-            bias = bias.contiguous()
+    # slope and divisor are Python floats here, checked by the public function
+    # that takes them (relu takes none: its call checks only the tensor). The
+    # common call (a tensor of a supported dtype, no bias) passes the tensor
+    # checks in one expression; anything else goes through _check_tensors,
+    # which names what is wrong.
+    if not (bias is None and isinstance(x, Tensor) and x.dtype in _impl.DTYPE_NAMES):
+        bias = _check_tensors(fname, x, bias)
     if _is_compiling():
         return _compiled(op, x, slope, divisor, bias, inplace)
     if _functorch_active() or _fwd_levels._current_level >= 0:  # transforms, forward AD
         fn = _autograd.ActInplace if inplace else _autograd.Act
         return fn.apply(x, bias, op, slope, divisor)[0]
-    needs_grad = torch.is_grad_enabled() and (  # (inline: a call costs 0.1 us)
+    # (inline, and the tensor's flag first: an inference call skips the mode query)
+    needs_grad = (
         x.requires_grad or (bias is not None and bias.requires_grad)
-    )
+    ) and torch.is_grad_enabled()
     if inplace:
         if needs_grad:
             return _act_(x, bias, op, slope, divisor)
@@ -148,6 +147,9 @@ def _compiled(op, x, slope, divisor, bias, inplace):
     return _library.forward_op(x, op, slope, divisor, bias)
 
 
+_RELU, _LEAKY, _DIV = (f"cupy_act.torch.{op}" for op in __all__)  # (for error messages)
+
+
 def relu(input: Tensor, inplace: bool = False) -> Tensor:
     """ReLU, bit for bit ``torch.relu``; autograd saves a 1-bit mask instead of the output.
 
@@ -155,7 +157,7 @@ def relu(input: Tensor, inplace: bool = False) -> Tensor:
         input: float16, bfloat16, float32 or float64 tensor, on CUDA or CPU.
         inplace: write into ``input`` (marked dirty for autograd).
     """
-    return _apply("cupy_act.torch.relu", "relu", input, 0.0, 1.0, None, inplace)
+    return _apply(_RELU, "relu", input, 0.0, 1.0, None, inplace)
 
 
 def leaky_relu(input: Tensor, negative_slope: float = 0.01, inplace: bool = False) -> Tensor:
@@ -164,9 +166,9 @@ def leaky_relu(input: Tensor, negative_slope: float = 0.01, inplace: bool = Fals
     Unlike PyTorch, ``inplace=True`` works under autograd for any slope
     (0 and negative ones included): the backward needs only the mask.
     """
-    return _apply(
-        "cupy_act.torch.leaky_relu", "leaky_relu", input, negative_slope, 1.0, None, inplace
-    )
+    if type(negative_slope) is not float:  # (the common case costs one type check)
+        negative_slope = _slope(negative_slope, _LEAKY)
+    return _apply(_LEAKY, "leaky_relu", input, negative_slope, 1.0, None, inplace)
 
 
 def div_leaky_relu(
@@ -183,12 +185,8 @@ def div_leaky_relu(
     Saves a 1-bit mask; the bias gradient is the input gradient summed over all
     axes but 1.
     """
-    return _apply(
-        "cupy_act.torch.div_leaky_relu",
-        "div_leaky_relu",
-        input,
-        negative_slope,
-        divisor,
-        bias,
-        inplace,
-    )
+    if type(negative_slope) is not float:
+        negative_slope = _slope(negative_slope, _DIV)
+    if not (type(divisor) is float and divisor and divisor - divisor == 0.0):  # finite, non-zero
+        divisor = _divisor(divisor, _DIV)
+    return _apply(_DIV, "div_leaky_relu", input, negative_slope, divisor, bias, inplace)
