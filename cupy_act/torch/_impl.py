@@ -405,7 +405,7 @@ def _cuda_mask(x: torch.Tensor, dev: int, n: int) -> torch.Tensor:
 
 # The hot calls (a CUDA tensor in C order, no bias) below launch inline, each
 # tensor property read once: a Python call or a property costs 0.05-0.1 us on
-# the GPU host, against about 8 us for all of torch.relu.
+# the GPU host, against 6-8 us for all of F.relu (scripts/overhead.py).
 
 
 def forward(x, op: str, slope: float, divisor: float, bias):
