@@ -46,6 +46,9 @@ class Op:
     # PyTorch's backward kernel fed a stand-in for t whose sign is the bit,
     # writing into ``out`` if given (None: a new tensor)
     torch_backward: Callable  # (torch, dy, sign, slope, out) -> dx, before any division
+    # PyTorch's in-place forward on t (what torch.compile traces for inplace=True;
+    # its autograd reads the output, so it holds only for a slope >= 0)
+    torch_forward_: Callable  # (torch, t, slope) -> t
     slope: bool = False  # takes negative_slope
     divisor: bool = False  # takes divisor (and an optional per-channel bias)
     # for ops with a divisor: the op that applies the mask without dividing
@@ -62,6 +65,14 @@ def _leaky_forward(torch, t, slope, out=None):
     if out is None:
         return torch.nn.functional.leaky_relu(t, slope)
     return torch.ops.aten.leaky_relu.out(t, slope, out=out)
+
+
+def _relu_forward_(torch, t, slope):
+    return torch.relu_(t)
+
+
+def _leaky_forward_(torch, t, slope):
+    return torch.nn.functional.leaky_relu_(t, slope)
 
 
 def _not_at_most_zero(torch, t, out=None):
@@ -95,6 +106,7 @@ OPS: dict[str, Op] = {
             _relu_forward,
             _not_at_most_zero,
             _threshold_backward,
+            _relu_forward_,
             reference="torch.relu(x)",
         ),
         Op(
@@ -104,6 +116,7 @@ OPS: dict[str, Op] = {
             _leaky_forward,
             _greater_than_zero,
             _leaky_backward,
+            _leaky_forward_,
             slope=True,
             reference="F.leaky_relu(x, negative_slope)",
         ),
@@ -114,6 +127,7 @@ OPS: dict[str, Op] = {
             _leaky_forward,
             _greater_than_zero,
             _leaky_backward,
+            _leaky_forward_,
             slope=True,
             divisor=True,
             undivided="leaky_relu",

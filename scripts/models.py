@@ -1,37 +1,47 @@
-"""Train real models with PyTorch's activations and with cupy_act's, side by side.
+"""Train real models with PyTorch's activations and with cupy_act's, eager and compiled.
 
-    PYTHONPATH=. python scripts/models.py [--models cspdarknet53 resnet50 mlp]
-        [--batches 8 32 64] [--steps 6] [--rounds 5] [--compile-batches 32]
-        [--compiled compile reduce-overhead ours+RO] [--json F] [--device cuda] [--small]
+    PYTHONPATH=. python scripts/models.py [--models cspdarknet53 resnet50 opt mlp block]
+        [--batches 32] [--steps 6] [--rounds 5] [--compile-batches 32]
+        [--compiled compile ours+compile reduce-overhead ours+RO]
+        [--cudnn benchmark deterministic] [--json F] [--device cuda] [--small]
 
 Models: timm's ``cspdarknet53`` (67 ``nn.LeakyReLU(0.01, inplace=True)``,
 256 x 256 inputs), torchvision's ``resnet50`` (``nn.ReLU(inplace=True)``,
-224 x 224), both with 100 classes and random weights, and the project's MLP
-(``scripts/train.py``: 1024 -> 3 x 4096 -> 10, ``nn.LeakyReLU(0.01)``). A
-model whose package is missing is skipped with a message. ``--device cpu
---small`` (an MLP 64 -> 3 x 128 -> 10) is a quick check that runs anywhere;
-peak memory is reported on CUDA only.
+224 x 224), both with 100 classes and random weights; ``opt``, an OPT-style
+decoder built from a ``transformers`` config (6 layers, hidden 768, ReLU
+feed-forward of 3072, sequence 256, vocabulary 8192, no weights loaded); the
+project's MLP (``scripts/train.py``: 1024 -> 3 x 4096 -> 10, LeakyReLU(0.01));
+and ``block``, the seed-003 block (conv 8 -> 64 3x3 on 128 x 8 x 128 x 128,
+divide by 2, LeakyReLU 0.01) under torch.compile. A model whose package is
+missing is skipped with a message. ``--device cpu --small`` (an MLP 64 -> 3 x
+128 -> 10) is a quick check that runs anywhere; memory is reported on CUDA only.
 
 Every variant starts from the same weights and sees the same batches (SGD with
-momentum, float32, cuDNN deterministic, no benchmark mode):
+momentum, float32), once per ``--cudnn`` setting: ``benchmark`` (cuDNN picks
+its fastest algorithms, as timm trains) and ``deterministic`` (the setting in
+which losses are compared bit for bit).
 
+Eager table (every --batches):
   eager    the model as its package builds it;
   floor    each activation replaced by a Python ``autograd.Function`` that only
            calls PyTorch's own op and backward: what any Python autograd path
            costs on the host, with nothing of ours in it;
-  ours     ``cupy_act.torch.replace_activations(model)``;
-  compile  ``torch.compile(eager model)``; ``reduce-overhead`` the same with
-           CUDA graphs, and ``ours+RO`` our model compiled that way. Compiling
-           a CNN's training step takes minutes, so these run at
-           --compile-batches only (static shapes), after the eager table, and
-           are timed after three warm-up blocks (compiling, recording graphs).
+  ours     ``cupy_act.torch.replace_activations(model)``.
+Compiled table (--compile-batches; ``torch.compile(model)``, static shapes):
+  compile / ours+compile                  mode "default", PyTorch's / ours;
+  reduce-overhead / ours+RO               mode "reduce-overhead" (CUDA graphs);
+  ours+mask                               ours with a packed 1-bit mask on
+                                          every activation (a candidate);
+  ours+kernels                            ours through the custom-op route.
 
 Printed per model and batch: the step time (forward, backward, optimizer step;
-median over --rounds blocks of --steps back-to-back steps, the eager-mode
-variants interleaved block by block), the peak memory of a step (above what
-was allocated before the model was built: weights, gradients, optimizer state
-and activations), and whether the floor's and our losses equal eager's bit for
-bit over the first --steps steps.
+median over --rounds blocks of --steps back-to-back steps, the variants of a
+table interleaved block by block), the peak memory of a step (eager: above what
+was allocated before the model was built; compiled: a steady step after
+warm-up, above what was allocated before it; reduce-overhead also the memory of
+its CUDA-graph pool), and whether losses equal the reference's bit for bit
+(eager: eager's; compiled: the same mode with PyTorch's activations).
+The block rows give forward + backward time and the bytes autograd saved.
 """
 
 from __future__ import annotations
@@ -50,30 +60,55 @@ import torch.nn.functional as F
 from torch import nn
 
 import cupy_act.torch as ct
+from cupy_act import testing
+from cupy_act.torch import _traced
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train import mlp_model  # noqa: E402  (the project's MLP)
 
 
+class Decoder(nn.Module):
+    """An OPT-style causal language model, returning logits of shape (batch, seq, vocab)."""
+
+    def __init__(self, transformers):
+        super().__init__()
+        config = transformers.OPTConfig(
+            vocab_size=8192,
+            hidden_size=768,
+            num_hidden_layers=6,
+            ffn_dim=3072,
+            num_attention_heads=12,
+            max_position_embeddings=512,
+            word_embed_proj_dim=768,
+            activation_function="relu",
+            dropout=0.0,
+            attention_dropout=0.0,
+        )
+        self.lm = transformers.OPTForCausalLM(config)
+
+    def forward(self, ids):
+        return self.lm(input_ids=ids).logits
+
+
 def build(name: str, small: bool = False):
-    """(model, input shape without the batch, classes), or None if its package is missing."""
+    """(model, input shape without the batch, classes, integer inputs), or None if
+    its package is missing."""
     try:
         if name == "cspdarknet53":
             timm = importlib.import_module("timm")
-            return timm.create_model("cspdarknet53", num_classes=100), (3, 256, 256), 100
+            return timm.create_model("cspdarknet53", num_classes=100), (3, 256, 256), 100, False
         if name == "resnet50":
             tv = importlib.import_module("torchvision")
-            return tv.models.resnet50(num_classes=100), (3, 224, 224), 100
-    except ImportError as e:
-        print(f"skipping {name}: {e}")
+            return tv.models.resnet50(num_classes=100), (3, 224, 224), 100, False
+        if name == "opt":
+            return Decoder(importlib.import_module("transformers")), (256,), 8192, True
+    except Exception as e:  # a missing package, or one whose API moved: skip the model
+        print(f"skipping {name}: {type(e).__name__}: {e}")
         return None
     if name == "mlp":
-        return (
-            mlp_model("eager", 128, 3, 64) if small else mlp_model("eager", 4096, 3, 1024),
-            ((64,) if small else (1024,)),
-            10,
-        )
-    raise ValueError(f"unknown model {name!r}; known: cspdarknet53, resnet50, mlp")
+        model = mlp_model("eager", 128, 3, 64) if small else mlp_model("eager", 4096, 3, 1024)
+        return model, ((64,) if small else (1024,)), 10, False
+    raise ValueError(f"unknown model {name!r}; known: cspdarknet53, resnet50, opt, mlp, block")
 
 
 class _FloorFn(torch.autograd.Function):
@@ -117,28 +152,42 @@ def to_floor(model: nn.Module) -> nn.Module:
     return model
 
 
+# compiled variant -> (ours, torch.compile mode, ACT_MASK, compile route)
+COMPILED = {
+    "compile": (False, "default", None, "traced"),
+    "ours+compile": (True, "default", None, "traced"),
+    "reduce-overhead": (False, "reduce-overhead", None, "traced"),
+    "ours+RO": (True, "reduce-overhead", None, "traced"),
+    "ours+mask": (True, "default", (8, "strided"), "traced"),
+    "ours+kernels": (True, "default", None, "kernels"),
+}
+REFERENCE = {"ours+compile": "compile", "ours+RO": "reduce-overhead", "ours+mask": "compile"}
+REFERENCE["ours+kernels"] = "compile"
+
+
 class Run:
     """One variant: its model, optimizer and step function."""
 
-    def __init__(self, eager: nn.Module, variant: str, device):
+    def __init__(self, eager: nn.Module, variant: str, device, classes: int):
         model = copy.deepcopy(eager).to(device)
+        ours, mode, self.mask, self.route = COMPILED.get(variant, (False, None, None, "traced"))
         if variant == "floor":
             to_floor(model)
-        elif variant in ("ours", "ours+RO"):
+        elif variant == "ours" or ours:
             ct.replace_activations(model)
-        self.graphs = variant in ("reduce-overhead", "ours+RO")
-        if variant in ("compile", "reduce-overhead", "ours+RO"):
-            mode = "reduce-overhead" if self.graphs else "default"
-            self.fn = torch.compile(model, mode=mode, dynamic=False)
-        else:
-            self.fn = model
+        self.graphs = mode == "reduce-overhead"
+        self.fn = model if mode is None else torch.compile(model, mode=mode, dynamic=False)
         self.opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        self.classes = classes
 
     def step(self, x, t):
+        # the knobs this variant was compiled with (Dynamo guards on them)
+        _traced.ACT_MASK = self.mask
+        ct.set_compile_route(self.route)
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()
         self.opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(self.fn(x), t)
+        loss = F.cross_entropy(self.fn(x).reshape(-1, self.classes), t.reshape(-1))
         loss.backward()
         self.opt.step()
         return loss.detach().clone()  # (a CUDA graph's output is overwritten by the next run)
@@ -157,13 +206,14 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def peak_memory_mib(fn):
+def peak_memory_mib(fn, empty_cache=True):
     """(fn(), the peak memory fn allocated above what was allocated before, in MiB;
     NaN without CUDA)."""
     if not torch.cuda.is_available():
         return fn(), float("nan")
     sync()
-    torch.cuda.empty_cache()
+    if empty_cache:
+        torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     out = fn()
@@ -171,14 +221,25 @@ def peak_memory_mib(fn):
     return out, (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def graph_pool_mib() -> float:
+    """MiB held in the caching allocator's private pools (CUDA graphs' memory)."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    segments = torch.cuda.memory_snapshot()
+    pools = [(s["total_size"], tuple(s.get("segment_pool_id", (0, 0)))) for s in segments]
+    return sum(size for size, pool in pools if pool != (0, 0)) / 2**20
+
+
 EAGER_VARIANTS = ("eager", "floor", "ours")
-COMPILED = ("compile", "reduce-overhead", "ours+RO")
 
 
-def batches(shape, classes, batch, args):
+def batches(shape, classes, integer, batch, args):
     """--steps (input, label) batches, the same for every variant."""
     device = torch.device(args.device)
     g = torch.Generator(device=device).manual_seed(batch)
+    if integer:  # a language model: token ids in, the next tokens as labels
+        ids = [torch.randint(0, classes, (batch, *shape), device=device, generator=g)]
+        return [(i, i.roll(-1, 1)) for i in ids * args.steps]
     return [
         (
             torch.randn(batch, *shape, device=device, generator=g),
@@ -188,56 +249,160 @@ def batches(shape, classes, batch, args):
     ]
 
 
-def measure(name, eager, shape, classes, batch, args):
+def same_bits(a, b) -> bool:
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def measure(name, eager, shape, classes, integer, batch, args):
     """One row of the eager table: step times, peak memory, loss equality."""
     device = torch.device(args.device)
-    data = batches(shape, classes, batch, args)
-    row = {"model": name, "batch": batch}
+    data = batches(shape, classes, integer, batch, args)
+    row = {"model": name, "batch": batch, "cudnn": args.cudnn_now}
     losses = {}
+    if torch.backends.cudnn.benchmark:  # cuDNN's algorithm search (and its workspaces) first
+        Run(eager, "eager", device, classes).step(*data[0])
     for v in EAGER_VARIANTS:  # losses and peak memory, one variant at a time
 
         def train(v=v):
-            run = Run(eager, v, device)
+            run = Run(eager, v, device, classes)
             return torch.stack([run.step(x, t) for x, t in data])
 
         losses[v], row[f"{v} MiB"] = peak_memory_mib(train)
     for v in ("floor", "ours"):
-        same = torch.equal(losses[v].view(torch.int32), losses["eager"].view(torch.int32))
-        row[f"{v} bit-equal"] = bool(same)
-    runs = {v: Run(eager, v, device) for v in EAGER_VARIANTS}
+        row[f"{v} bit-equal"] = same_bits(losses[v], losses["eager"])
+    runs = {v: Run(eager, v, device, classes) for v in EAGER_VARIANTS}
+    interleave(runs, data, row, args.rounds)
+    return row
+
+
+def interleave(runs: dict, data, row: dict, rounds: int) -> None:
+    """Median block times of the runs, block by block in turn, into row[f"{v} ms"]."""
     for r in runs.values():
         r.block_ms(data)  # warm-up
     times = {v: [] for v in runs}
-    for _ in range(args.rounds):  # interleaved, block by block
+    for _ in range(rounds):
         for v, r in runs.items():
             times[v].append(r.block_ms(data))
     for v in runs:
         row[f"{v} ms"] = statistics.median(times[v])
-    return row
 
 
-def measure_compiled(row, eager, shape, classes, args):
-    """Add the compiled variants' step times to an eager table row."""
-    data = batches(shape, classes, row["batch"], args)
+def measure_compiled(row, eager, shape, classes, integer, args):
+    """Add the compiled variants to an eager-table row. One variant at a time:
+    compile, losses, then after warm-up the peak of a steady block above what
+    was allocated before it and, for reduce-overhead, the CUDA-graph pool it
+    made (graph pools are shared by every compiled function alive, so each
+    variant is freed before the next). Then all together again, from warm
+    compile caches, timed interleaved."""
+    data = batches(shape, classes, integer, row["batch"], args)
+    device = torch.device(args.device)
+    losses, variants = {}, []
     for v in args.compiled:
         try:
-            run = Run(eager, v, torch.device(args.device))
-            for _ in range(3):  # compile, and record the CUDA graphs
+            _fresh()
+            pool0 = graph_pool_mib()
+            t0 = time.perf_counter()
+            run = Run(eager, v, device, classes)
+            losses[v] = torch.stack([run.step(x, t) for x, t in data])  # compiles
+            row[f"{v} compile s"] = time.perf_counter() - t0
+            for _ in range(2):  # warm-up (records the CUDA graphs)
                 run.block_ms(data)
-            row[f"{v} ms"] = statistics.median(run.block_ms(data) for _ in range(args.rounds))
+            _, row[f"{v} MiB"] = peak_memory_mib(lambda: run.block_ms(data), False)
+            if run.graphs:
+                row[f"{v} pool MiB"] = graph_pool_mib() - pool0
+            variants.append(v)
         except Exception as e:  # a compiler failure costs its column, not the table
             print(f"{row['model']} batch {row['batch']} {v}: {type(e).__name__}: {str(e)[:300]}")
-            row[f"{v} ms"] = float("nan")
         finally:
             run = None
-            torch.compiler.reset()
+    for v, ref in REFERENCE.items():
+        if v in losses and ref in losses:
+            row[f"{v} bit-equal"] = same_bits(losses[v], losses[ref])
+    _fresh()
+    interleave({v: Run(eager, v, device, classes) for v in variants}, data, row, args.rounds)
+    _fresh()
+
+
+def _fresh() -> None:
+    """Forget compiled code and CUDA graphs and give cached memory back."""
+    ct.set_compile_route("traced")
+    _traced.ACT_MASK = None
+    torch.compiler.reset()
+    if torch.cuda.is_available():
+        from torch._inductor import cudagraph_trees
+
+        cudagraph_trees.reset_cudagraph_trees()
+        sync()
+        torch.cuda.empty_cache()
+
+
+def measure_block(args) -> list[dict]:
+    """The seed-003 block under torch.compile: PyTorch's, and ours with each
+    epilogue (our kernels, traced operations, the traced packed masks). Input
+    without gradient (the seed model), weight and bias trained."""
+    small = args.small or args.device == "cpu"
+    n, cin, hw, cout = (2, 8, 16, 16) if small else (128, 8, 128, 64)
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    ref = testing.ConvDivLeakyReLUModel(cin, cout, 3, 2.0).to(device)
+    x = torch.randn(n, cin, hw, hw, device=device)
+    gy = torch.randn(n, cout, hw - 2, hw - 2, device=device)
+    # name -> (ours, conv.COMPILED_EPILOGUE)
+    variants = {"torch.compile": (False, "kernels"), "ours (kernel epilogue)": (True, "kernels")}
+    variants["ours, traced, no mask"] = (True, None)
+    for mask in ((8, "strided"), (8, "flat"), (32, "strided"), (32, "flat")):
+        variants[f"ours, traced, mask {mask[0]}-bit {mask[1]}"] = (True, mask)
+    default = ct.conv.COMPILED_EPILOGUE
+    fns, rows = {}, []
+    for name, (ours, epilogue) in variants.items():
+        model = copy.deepcopy(ref)
+        if ours:
+            model = ct.ConvDivLeakyReLU(cin, cout, 3, divisor=2.0).to(device)
+            model.load_state_dict(ref.state_dict())
+        compiled = torch.compile(model)
+
+        def fwd_bwd(compiled=compiled, epilogue=epilogue):
+            ct.conv.COMPILED_EPILOGUE = epilogue  # (Dynamo guards on it)
+            y = compiled(x)
+            y.backward(gy)
+            return y
+
+        fns[name] = fwd_bwd
+        y = fwd_bwd()  # compiles
+        row = {"model": "block", "variant": name, "y": y.detach()}
+        row["grad"] = [p.grad.clone() for p in model.parameters()]
+        _, sizes = testing.saved_sizes(fns[name])
+        row["saved MB"] = testing.nbytes(sizes) / 1e6
+        rows.append(row)
+    if device.type == "cuda":
+        times = testing.interleaved_median_ms(fns, rounds=args.rounds * 3)
+    else:  # (a quick check: wall time)
+        times = {k: _wall_ms(f) for k, f in fns.items()}
+    ct.conv.COMPILED_EPILOGUE = default
+    base = rows[0].copy()
+    for r in rows:
+        r["fwd+bwd ms"] = times[r["variant"]]
+        r["x torch.compile"] = r["fwd+bwd ms"] / times[base["variant"]]
+        r["saved x torch.compile"] = r["saved MB"] / base["saved MB"]
+        (dw, db), (bw, bb) = r.pop("grad"), base["grad"]
+        r["bit-equal"] = {"y": same_bits(r.pop("y"), base["y"]), "dW": same_bits(dw, bw)}
+        r["bit-equal"]["db"] = same_bits(db, bb)  # (a reduction: its order is the compiler's)
+        r["db max rel diff"] = ((db - bb).abs() / bb.abs()).max().item()
+    torch.compiler.reset()
+    return rows
+
+
+def _wall_ms(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def print_row(row):
     e, ours = row["eager ms"], row["ours ms"]
     mem = row["ours MiB"] / row["eager MiB"] if row["eager MiB"] else float("nan")
     cols = [
-        f"{row['model']:13s} {row['batch']:5d}",
+        f"{row['model']:13s} {row['batch']:5d} {row['cudnn'][:5]:5s}",
         f"{e:8.2f}",
         f"{row['floor ms']:8.2f} {row['floor ms'] / e:5.2f}x",
         f"{ours:8.2f} {ours / e:5.2f}x {ours / row['floor ms']:5.2f}x",
@@ -247,59 +412,88 @@ def print_row(row):
     print(" ".join(cols), flush=True)
 
 
+def print_compiled(row, variants):
+    print(f"{row['model']:13s} {row['batch']:5d} {row['cudnn'][:5]:5s}", flush=True)
+    for v in variants:
+        if f"{v} ms" not in row:
+            continue
+        ref = REFERENCE.get(v)
+        line = f"    {v:16s} {row[f'{v} ms']:8.2f} ms {row.get(f'{v} MiB', 0):8.0f} MiB"
+        if f"{v} pool MiB" in row:
+            line += f" (+{row[f'{v} pool MiB']:.0f} pool)"
+        if ref and f"{ref} ms" in row:
+            line += (
+                f"   / {ref}: {row[f'{v} ms'] / row[f'{ref} ms']:5.3f}x time,"
+                f" {row[f'{v} MiB'] / row[f'{ref} MiB']:5.3f}x peak"
+            )
+            if f"{v} pool MiB" in row and f"{ref} pool MiB" in row:
+                line += f", {row[f'{v} pool MiB'] / max(row[f'{ref} pool MiB'], 1e-9):5.3f}x pool"
+            line += f", losses {'bit-equal' if row.get(f'{v} bit-equal') else 'DIFFER'}"
+        print(line + f"  (compiled in {row[f'{v} compile s']:.0f} s)", flush=True)
+
+
+def set_cudnn(setting: str) -> None:
+    torch.backends.cudnn.benchmark = setting == "benchmark"
+    torch.backends.cudnn.deterministic = setting == "deterministic"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=["cspdarknet53", "resnet50", "mlp"])
-    ap.add_argument("--batches", nargs="+", type=int, default=[8, 32, 64])
+    ap.add_argument("--models", nargs="+", default=["cspdarknet53", "resnet50", "opt", "mlp"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[32])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--compile-batches", nargs="*", type=int, default=[32])
-    ap.add_argument("--compiled", nargs="*", default=list(COMPILED), choices=COMPILED)
+    default = ["compile", "ours+compile", "reduce-overhead", "ours+RO"]
+    ap.add_argument("--compiled", nargs="*", default=default, choices=list(COMPILED))
+    ap.add_argument("--cudnn", nargs="+", default=["benchmark", "deterministic"])
+    ap.add_argument("--no-eager", action="store_true", help="the compiled table only")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="a small MLP, for a quick check")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("models.py: no CUDA device here (--device cpu --small runs anywhere)")
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.benchmark = False
     where = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     print(
         f"{where}, torch {torch.__version__}; step ms (median of {args.rounds} x "
         f"{args.steps} steps), peak MiB of a step, losses over {args.steps} steps bit-equal"
     )
-    print(
-        f"{'model':13s} {'batch':>5s} {'eager':>8s} {'floor':>8s} {'/eag':>6s} {'ours':>8s} "
-        f"{'/eag':>6s} {'/flr':>6s} {'eagerMiB':>8s} {'oursMiB':>8s} {'ratio':>6s} "
-        f"{'flr=':>5s} {'ours=':>5s}"
-    )
-    rows, models = [], {}
-    for name in args.models:
-        torch.manual_seed(0)
-        built = build(name, args.small)
-        if built is None:
-            continue
-        models[name] = built
-        for batch in args.batches:
-            rows.append(measure(name, *built, batch, args))
-            print_row(rows[-1])
-            save(rows, args.json)
-    again = [r for r in rows if r["batch"] in args.compile_batches]
-    if args.compiled and again:
-        print("\ncompiled, step ms (static shapes) and x eager")
-        head = " ".join(f"{v:>16s}" for v in args.compiled)
-        print(f"{'model':13s} {'batch':>5s} {'eager':>8s} {head}")
-        for row in again:
-            measure_compiled(row, *models[row["model"]], args)
-            print(
-                f"{row['model']:13s} {row['batch']:5d} {row['eager ms']:8.2f} "
-                + " ".join(
-                    f"{row[f'{v} ms']:8.2f} {row[f'{v} ms'] / row['eager ms']:6.2f}x"
-                    for v in args.compiled
-                ),
-                flush=True,
-            )
-            save(rows, args.json)
+    rows: list[dict] = []
+    for setting in args.cudnn:
+        set_cudnn(setting)
+        args.cudnn_now = setting
+        for name in args.models:
+            if name == "block":
+                print(f"\nseed-003 block under torch.compile, cudnn {setting}: fwd+bwd")
+                for r in measure_block(args):
+                    r["cudnn"] = setting
+                    rows.append(r)
+                    print(
+                        f"    {r['variant']:28s} {r['fwd+bwd ms']:8.3f} ms "
+                        f"({r['x torch.compile']:.3f}x) saved {r['saved MB']:8.1f} MB "
+                        f"({r['saved x torch.compile']:.3f}x)  bit-equal to torch.compile: "
+                        + " ".join(f"{k} {'yes' if v else 'NO'}" for k, v in r["bit-equal"].items())
+                        + f" (db within {r['db max rel diff']:.1e})",
+                        flush=True,
+                    )
+                save(rows, args.json)
+                continue
+            torch.manual_seed(0)
+            built = build(name, args.small)
+            if built is None:
+                continue
+            print(f"\n{name}, cudnn {setting}")
+            for batch in [] if args.no_eager else args.batches:
+                rows.append(measure(name, *built, batch, args))
+                print_row(rows[-1])
+                save(rows, args.json)
+            for batch in args.compile_batches if args.compiled else []:
+                row = {"model": name, "batch": batch, "cudnn": setting, "table": "compiled"}
+                measure_compiled(row, *built, args)
+                rows.append(row)
+                print_compiled(row, args.compiled)
+                save(rows, args.json)
 
 
 def save(rows, path) -> None:

@@ -247,8 +247,14 @@ def test_mode_trains_a_functional_model_bit_exact():
 @pytest.mark.parametrize("device", DEVICES)
 def test_models_script_losses_bit_equal(device, tmp_path):
     args = ["--models", "mlp", "--small", "--batches", "4", "9", "--steps", "3", "--rounds", "1"]
-    rows = run_json("models.py", [*args, "--compiled", "--device", device], tmp_path / "rows.json")
-    assert [r["batch"] for r in rows] == [4, 9]
+    args += ["--cudnn", "deterministic", "--compile-batches", "4"]
+    args += ["--compiled", "compile", "ours+compile", "--device", device]
+    rows = run_json("models.py", args, tmp_path / "rows.json")
+    compiled = [r for r in rows if r.get("table") == "compiled"]
+    rows = [r for r in rows if r.get("table") != "compiled"]
+    assert [r["batch"] for r in rows] == [4, 9] and [r["batch"] for r in compiled] == [4]
+    assert compiled[0]["ours+compile bit-equal"], compiled  # the same compiled code as torch's
+    assert compiled[0]["ours+compile ms"] > 0 and compiled[0]["compile ms"] > 0, compiled
     for r in rows:
         assert r["floor bit-equal"] and r["ours bit-equal"], r
         assert all(r[f"{v} ms"] > 0 for v in ("eager", "floor", "ours")), r

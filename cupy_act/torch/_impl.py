@@ -53,6 +53,13 @@ def is_channels_last(x: torch.Tensor) -> bool:
         return False
 
 
+def needs_grad(x: torch.Tensor, bias) -> bool:
+    """Whether autograd records a call on x (and bias)."""
+    return torch.is_grad_enabled() and (
+        x.requires_grad or (bias is not None and bias.requires_grad)
+    )
+
+
 def arrange(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
     """x in the memory order the kernels walk: C order, or channels-last."""
     if channels_last:

@@ -7,12 +7,17 @@
   (the Python wrapper costs about 2 us per call), or ``EagerActInplace``;
 - torch.func transforms or forward-mode AD: ``Act.apply`` or
   ``ActInplace.apply``, whose ``vmap`` and ``jvp`` rules the transforms call;
-- torch.compile: the ``torch.library`` custom ops (``_library.py``), which the
-  compiler sees as opaque nodes with fake implementations and autograd.
+- torch.compile: by default the registry's PyTorch operations, traced into the
+  graph (``_traced.py``), which Inductor fuses with their neighbours and
+  rematerializes as it does PyTorch's own activations; with
+  ``set_compile_route("kernels")`` the ``torch.library`` custom ops
+  (``_library.py``) instead: cupy_act's kernels and 1-bit masks inside the
+  compiled graph, as opaque nodes the compiler cannot fuse.
 """
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import torch
@@ -21,9 +26,51 @@ from torch import Tensor
 
 from .._arrays import SUPPORTED
 from .._scalars import check_divisor, check_real
-from . import _autograd, _impl, _library
+from . import _autograd, _impl, _library, _traced
 
-__all__ = ["relu", "leaky_relu", "div_leaky_relu"]
+__all__ = ["relu", "leaky_relu", "div_leaky_relu", "set_compile_route"]
+
+COMPILE_ROUTES = ("traced", "kernels")
+
+
+def _route_from_env() -> bool:
+    """Whether CUPY_ACT_COMPILE_ROUTE asks for the kernels (default: traced)."""
+    route = os.environ.get("CUPY_ACT_COMPILE_ROUTE", "traced")
+    if route not in COMPILE_ROUTES:
+        raise ValueError(
+            f"CUPY_ACT_COMPILE_ROUTE={route!r}; expected one of {COMPILE_ROUTES} "
+            f"(or unset, for 'traced')"
+        )
+    return route == "kernels"
+
+
+# (read by compiled code: Dynamo guards on its value, so a change recompiles)
+_compile = SimpleNamespace(kernels=_route_from_env())
+
+
+def set_compile_route(route: str) -> str:
+    """Choose what cupy_act's activations become under ``torch.compile``; returns
+    the previous route. Graphs compiled afterwards follow the new one (Dynamo
+    recompiles on the change).
+
+    - ``"traced"`` (the default): PyTorch's own operations for the activation,
+      which Inductor fuses with its neighbours (a BatchNorm before it, a bias
+      and division) and rematerializes: a compiled model runs as fast and as
+      light as with PyTorch's activations, with the same bits. The 1-bit mask
+      is kept where it is the cheapest saved state (the convolution block).
+    - ``"kernels"``: cupy_act's CUDA kernels as opaque custom ops with their
+      1-bit masks, as in eager mode. Inductor cannot fuse them: each costs an
+      extra read and write of its tensor each way, and training steps measured
+      up to 1.4x slower than with ``"traced"``; the saved state is the mask.
+
+    The environment variable ``CUPY_ACT_COMPILE_ROUTE`` sets the route at import.
+    Eager calls, CuPy, torch.func and forward-mode AD always run the kernels.
+    """
+    if route not in COMPILE_ROUTES:
+        raise ValueError(f"set_compile_route: route={route!r}; expected one of {COMPILE_ROUTES}")
+    previous = COMPILE_ROUTES[_compile.kernels]
+    _compile.kernels = route == "kernels"
+    return previous
 
 
 def _check_tensors(fname: str, x, bias):
@@ -100,12 +147,6 @@ def _forward_ad_active() -> bool:
     return _fwd_levels._current_level >= 0
 
 
-def _needs_grad(x, bias) -> bool:
-    return torch.is_grad_enabled() and (
-        x.requires_grad or (bias is not None and bias.requires_grad)
-    )
-
-
 def _apply(fname, op, x, slope, divisor, bias, inplace):
     # slope and divisor are Python floats here, checked by the public function
     # that takes them (relu takes none: its call checks only the tensor). The
@@ -134,9 +175,12 @@ def _apply(fname, op, x, slope, divisor, bias, inplace):
     return _impl.forward(x, op, slope, divisor, bias)
 
 
-def _compiled(op, x, slope, divisor, bias, inplace):
-    """The route under torch.compile: the custom ops, which carry their own autograd."""
-    needs_grad = _needs_grad(x, bias)
+def _compiled(op, x, slope, divisor, bias, inplace, kernels=False):
+    """The route under torch.compile: traced PyTorch operations, or the custom ops
+    (which carry their own autograd) with the kernels route or ``kernels``."""
+    if not (kernels or _compile.kernels):
+        return _traced.apply(op, x, slope, divisor, bias, inplace)
+    needs_grad = _impl.needs_grad(x, bias)
     if inplace:
         if needs_grad:
             return _autograd.ActInplaceCompiled.apply(x, bias, op, slope, divisor)
@@ -147,7 +191,7 @@ def _compiled(op, x, slope, divisor, bias, inplace):
     return _library.forward_op(x, op, slope, divisor, bias)
 
 
-_RELU, _LEAKY, _DIV = (f"cupy_act.torch.{op}" for op in __all__)  # (for error messages)
+_RELU, _LEAKY, _DIV = (f"cupy_act.torch.{op}" for op in __all__[:3])  # (for error messages)
 
 
 def relu(input: Tensor, inplace: bool = False) -> Tensor:

@@ -1,0 +1,179 @@
+"""The route under torch.compile: each op as the PyTorch operations of its
+registry entry, which Dynamo traces into the graph like any other code.
+
+Inductor then fuses the activation with its neighbours (a BatchNorm's
+normalization before it, a bias and a division, a layout conversion) and picks
+by min-cut what the backward keeps or recomputes; an opaque custom op would
+cost one more read and write of the activation each way and pin its output.
+The operations are those a user of PyTorch's own activation writes, so the
+compiler sees the graph of ``torch.relu`` / ``F.leaky_relu`` / the divided
+expression and generates the same code: compiled results are compiled
+PyTorch's bit for bit.
+
+``apply`` saves what Inductor chooses (no mask): measured the fastest in whole
+models (docs/performance-notes.md, 2026-11-24). ``PackedMaskAct`` keeps a
+packed 1-bit mask in traced operations instead, for an activation that ends a
+fusion region, as after a convolution (cuDNN's kernel is opaque to Inductor),
+where Inductor would otherwise save a one-byte boolean: the convolution block
+uses it under compile.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .. import _registry
+from . import _impl, _library
+
+
+def pre(op: str, x: Tensor, divisor: float, bias, inplace: bool) -> Tensor:
+    """What the activation sees, as PyTorch computes it: x, or (x [+ bias]) / divisor
+    (in place: ``x.add_(bias).div_(divisor)``, as the reference writes it)."""
+    if not inplace:
+        return _impl.pre(op, x, divisor, bias)
+    if not _registry.OPS[op].divisor:
+        return x
+    if bias is not None:
+        x.add_(bias.view(1, -1, *([1] * (x.dim() - 2))))
+    return x.div_(divisor)
+
+
+# A packed mask for every activation under autograd, (word bits, layout) as
+# ``pack`` takes them, or None: Inductor's choice. A knob for the candidates of
+# scripts/models.py; None measured fastest (docs/performance-notes.md).
+ACT_MASK: tuple[int, str] | None = None
+
+
+def apply(op: str, x: Tensor, slope: float, divisor: float, bias, inplace: bool) -> Tensor:
+    """y = op(x) in PyTorch operations; in place returns x, updated.
+
+    In place uses PyTorch's in-place activation where its autograd holds: its
+    backward reads the output, whose sign gives the branch only for a slope
+    >= 0 (ReLU's is 0). A negative slope, which PyTorch refuses under autograd,
+    goes through ``InplaceAct``, whose gradient is the out-of-place one, as
+    cupy_act's eager in-place ops give.
+    """
+    spec = _registry.OPS[op]
+    if ACT_MASK is not None and _impl.needs_grad(x, bias):
+        y = PackedMaskAct.apply(x, bias, op, slope, divisor, *ACT_MASK)
+        return x.copy_(y) if inplace else y  # (only the mask is saved: x may change)
+    if not inplace:
+        return spec.torch_forward(torch, pre(op, x, divisor, bias, False), slope, None)
+    t = pre(op, x, divisor, bias, True)
+    if slope >= 0:
+        return spec.torch_forward_(torch, t, slope)
+    return InplaceAct.apply(t, spec.undivided or op, slope)
+
+
+class InplaceAct(torch.autograd.Function):
+    """t = act(t) in place (marked dirty), saving the mask bits taken before: the
+    out-of-place gradient for any slope. (Writing an out-of-place result back
+    with ``copy_`` would add copy_'s zero gradient for the overwritten input,
+    and 0 + -0 loses the sign of a zero gradient.) ``op`` is undivided here:
+    the division, if any, was done in place before, with its own gradient."""
+
+    @staticmethod
+    def forward(ctx, t, op, slope):
+        spec = _registry.OPS[op]
+        ctx.save_for_backward(spec.torch_bit(torch, t, None))
+        ctx.mark_dirty(t)
+        ctx.args = (op, slope)
+        spec.torch_forward_(torch, t, slope)
+        return t  # (Dynamo needs the dirty input itself returned)
+
+    @staticmethod
+    def backward(ctx, gy):
+        (bits,) = ctx.saved_tensors
+        op, slope = ctx.args
+        return _impl.backward_from_bits(op, gy, bits, slope, 1.0), None, None
+
+
+# ---- the packed mask in traced operations ----
+#
+# Bit j of word k stands for element k + j * words of t's elements in memory
+# order (``layout="strided"``: the eight or 32 loads of a word are each
+# coalesced across neighbouring words, and the packing is a reduction over the
+# outer axis of a (bits, words) view), or for element k * bits + j
+# (``"flat"``: a word packs consecutive elements). Elements past n are 0.
+
+_WORDS = {8: torch.uint8, 32: torch.int32}
+
+
+def _memory_order(t: Tensor) -> Tensor:
+    """t's elements in memory order, flat (a view for dense C-order or channels-last t)."""
+    if _impl.is_channels_last(t):
+        t = t.permute(_impl._cl_perm(t.dim()))
+    return t.reshape(-1)
+
+
+def _from_memory_order(flat: Tensor, shape, channels_last: bool) -> Tensor:
+    """The inverse of _memory_order: flat elements back into ``shape``."""
+    if not channels_last:
+        return flat.view(shape)
+    perm = _impl._cl_perm(len(shape))
+    inverse = sorted(range(len(perm)), key=perm.__getitem__)
+    return flat.view([shape[p] for p in perm]).permute(inverse)
+
+
+def pack(bits: Tensor, word: int = 8, layout: str = "strided") -> Tensor:
+    """Booleans -> a packed mask of ``word``-bit words (8 or 32), in memory order."""
+    flat = _memory_order(bits)
+    pad = -flat.numel() % word
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    dtype = _WORDS[word]
+    grid = flat.view(word, -1) if layout == "strided" else flat.view(-1, word)
+    axis = 0 if layout == "strided" else 1
+    shifts = torch.arange(word, dtype=dtype, device=bits.device)
+    shifts = shifts.view(-1, 1) if layout == "strided" else shifts
+    # distinct powers of two: the sum is the bitwise or, exact in the word's dtype
+    return (grid.to(dtype) << shifts).sum(axis, dtype=dtype)
+
+
+def unpack(mask: Tensor, shape, channels_last: bool, layout: str = "strided") -> Tensor:
+    """The inverse of ``pack``: booleans of ``shape``, channels-last or in C order."""
+    word = 8 if mask.dtype == torch.uint8 else 32
+    shifts = torch.arange(word, dtype=mask.dtype, device=mask.device)
+    if layout == "strided":
+        grid = (mask.view(1, -1) >> shifts.view(-1, 1)) & 1
+    else:
+        grid = (mask.view(-1, 1) >> shifts) & 1
+    flat = grid.reshape(-1)[: math.prod(shape)]
+    return _from_memory_order(flat.bool(), shape, channels_last)
+
+
+class PackedMaskAct(torch.autograd.Function):
+    """y = op((x [+ bias]) / divisor) in traced PyTorch operations, saving only a
+    packed mask; the backward is the registry's PyTorch backward fed the bits
+    (``_impl.backward_from_bits``), so the gradient is PyTorch's bit for bit.
+    For torch.compile (no jvp or vmap rule: Dynamo refuses them)."""
+
+    @staticmethod
+    def forward(ctx, x, bias, op, slope, divisor, word, layout):
+        spec = _registry.OPS[op]
+        t = _impl.pre(op, x, divisor, bias)
+        mask = pack(spec.torch_bit(torch, t, None), word, layout)
+        ctx.save_for_backward(mask)
+        ctx.args = (op, slope, divisor, layout, bias is not None)
+        ctx.layout = (t.shape, _impl.is_channels_last(t))
+        return spec.torch_forward(torch, t, slope, None)
+
+    @staticmethod
+    def backward(ctx, gy):
+        (mask,) = ctx.saved_tensors
+        op, slope, divisor, layout, has_bias = ctx.args
+        shape, channels_last = ctx.layout
+        bits = unpack(mask, shape, channels_last, layout)
+        dx = _impl.backward_from_bits(op, gy, bits, slope, divisor)
+        db = _library.bias_grad(dx) if has_bias else None
+        return dx, db, None, None, None, None, None
+
+
+def packed_mask_act(x, bias, op, slope, divisor, word=8, layout="strided") -> Tensor:
+    """``PackedMaskAct`` where autograd needs it, else the plain traced forward."""
+    if _impl.needs_grad(x, bias):
+        return PackedMaskAct.apply(x, bias, op, slope, divisor, word, layout)
+    return apply(op, x, slope, divisor, bias, False)
