@@ -256,11 +256,11 @@ EPILOGUES = ["kernels", None, (8, "strided"), (32, "flat")]
 @pytest.mark.parametrize("epilogue", EPILOGUES, ids=str)
 @pytest.mark.parametrize("algorithm", ["exact", "channels_last"])
 def test_conv_block_epilogues_under_compile(algorithm, epilogue, x_grad, device, monkeypatch):
-    """The convolution block's epilogue under compile: by default our kernels
-    (the convolution before it is opaque to Inductor anyway), saving the 1-bit
-    mask where Inductor saves a boolean or more; the traced candidates hold no
-    cupy_act op, the packed ones save the mask too. All give compiled
-    PyTorch's bits (the bias gradient: its rounding)."""
+    """The convolution block's epilogue under compile: by default (None) traced
+    PyTorch operations, no cupy_act op, saving no more than PyTorch's block;
+    "kernels" puts our kernel and its 1-bit mask there, the traced packed
+    candidates a packed mask, both where Inductor saves a boolean or more.
+    All give compiled PyTorch's bits (the bias gradient: its rounding)."""
     monkeypatch.setattr(ct.conv, "COMPILED_EPILOGUE", epilogue)
     ours, theirs = _conv_cases()[algorithm]
     torch.manual_seed(0)

@@ -232,20 +232,24 @@ def conv2d_div_leaky_relu(
     return _unfused(input, weight, bias, divisor, negative_slope, stride, padding, dilation, cl)
 
 
-# The epilogue under torch.compile: "kernels" (cupy_act's fused kernel and
-# its mask backward, as custom ops), None (traced PyTorch operations: Inductor
-# saves a one-byte boolean), or a packed mask in traced operations, (word
-# bits, layout) as _traced.pack takes them. The convolution before it is
-# cuDNN's, opaque to Inductor, so there is no fusion to lose in front; on the
-# seed-003 block (H100, scripts/models.py --models block) "kernels" measured
-# 0.96x torch.compile's forward + backward with 0.42x its saved bytes, the
-# traced packed masks 1.03-1.14x and traced operations 1.00x with 1.00x.
-COMPILED_EPILOGUE: str | tuple[int, str] | None = "kernels"
+# The epilogue under torch.compile: None (the default: the activations'
+# route, traced PyTorch operations unless set_compile_route("kernels")),
+# "kernels" (cupy_act's kernel and 1-bit mask as custom ops whatever the
+# route), or a packed mask in traced operations, (word bits, layout) as
+# _traced.pack takes them. Measured (docs/performance-notes.md, 2026-11-24):
+# on the seed-003 block alone, forward + backward against torch.compile's,
+# "kernels" 0.96x time with 0.42x saved bytes, traced 1.00x with 1.00x, the
+# traced packed masks 1.03-1.14x; but where the block feeds a fusable op
+# (scripts/train.py's classifier pools it), Inductor fuses the traced
+# epilogue into the pooling and "kernels" measured 1.19x. Traced never costs
+# time against compiled PyTorch, so it is the default; this knob is for the
+# measurements (scripts/models.py --models block).
+COMPILED_EPILOGUE: str | tuple[int, str] | None = None
 
 
 def _unfused(x, weight, bias, divisor, slope, stride, padding, dilation, channels_last):
     """PyTorch's convolution, then the fused elementwise epilogue ("exact" and
-    "channels_last"), under torch.compile as ``COMPILED_EPILOGUE`` says."""
+    "channels_last"); under torch.compile, as ``COMPILED_EPILOGUE`` says."""
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
         weight = weight.contiguous(memory_format=torch.channels_last)
@@ -254,13 +258,12 @@ def _unfused(x, weight, bias, divisor, slope, stride, padding, dilation, channel
     inner = None if x.is_cuda else bias
     pre = torch.nn.functional.conv2d(x, weight, inner, stride, padding, dilation)
     outer = bias if x.is_cuda else None
-    if not torch.compiler.is_compiling():
+    how = COMPILED_EPILOGUE
+    if how is None or not torch.compiler.is_compiling():
         return F.div_leaky_relu(pre, divisor, slope, bias=outer)
-    d, s, how = float(divisor), float(slope), COMPILED_EPILOGUE
+    d, s = float(divisor), float(slope)
     if how == "kernels":
         return F._compiled("div_leaky_relu", pre, s, d, outer, False, kernels=True)
-    if how is None:
-        return _traced.apply("div_leaky_relu", pre, s, d, outer, False)
     return _traced.packed_mask_act(pre, outer, "div_leaky_relu", s, d, *how)
 
 
