@@ -12,6 +12,7 @@ this.
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import torch
@@ -181,6 +182,18 @@ def make_input(n: int, dtype: torch.dtype, device="cuda", seed: int = 0) -> torc
     pick = sv[torch.randint(0, sv.numel(), (n,), generator=g)]
     xb = torch.where(which == 2, pick, xb)
     return xb.view(dtype).to(device)
+
+
+def make_inputs(device, dtype=torch.float32, shape=(2, 3, 4, 5), seed: int = 0):
+    """(x, bias, dy, t): x of ``shape``, a per-channel bias of ``(shape[1],)`` and
+    two more tensors of x's shape (an upstream gradient, a tangent), each from
+    ``make_input`` with its own seed."""
+    n = math.prod(shape)
+    x = make_input(n, dtype, device, seed).view(shape)
+    b = make_input(shape[1], dtype, device, seed + 1)
+    dy = make_input(n, dtype, device, seed + 2).view(shape)
+    t = make_input(n, dtype, device, seed + 3).view(shape)
+    return x, b, dy, t
 
 
 def median_ms(fn, iters: int = 20, warmup: int = 3, reps: int = 1) -> float:

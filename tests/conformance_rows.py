@@ -112,14 +112,7 @@ def cases() -> list[Case]:
 
 def data(device, dtype=torch.float32, seed=0, shape=SHAPE):
     """x, bias, and two more tensors of x's shape (an upstream gradient, a tangent)."""
-    n = 1
-    for s in shape:
-        n *= s
-    x = testing.make_input(n, dtype, device, seed).view(shape)
-    b = testing.make_input(shape[1], dtype, device, seed + 1)
-    dy = testing.make_input(n, dtype, device, seed + 2).view(shape)
-    t = testing.make_input(n, dtype, device, seed + 3).view(shape)
-    return x, b, dy, t
+    return testing.make_inputs(device, dtype, shape, seed)
 
 
 def same(actual, expected, what):
