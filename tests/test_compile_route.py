@@ -149,6 +149,21 @@ def test_graphs_hold_pytorch_ops_and_save_no_more(name, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_packed_mask_candidate_gives_pytorch_bits(name, device, monkeypatch):
+    """The measured candidate ``_traced.ACT_MASK``: every activation under autograd
+    saves a packed mask (in place too), with PyTorch's results and gradients."""
+    monkeypatch.setattr(_traced, "ACT_MASK", (8, "flat"))
+    ours, theirs = CASES[name]
+    x, b, dy = data(device)
+    got, rec = record(ours, x, b, dy)
+    want = fwd_bwd(theirs, x, b, dy)
+    assert "cupy_act" not in rec.code() and "lshift" in rec.code(), rec.code()
+    for a, e, what in zip(got, want, ("y", "dx", "dbias")):
+        testing.assert_bits_equal(a, e, f"{name} {what}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_dynamic_shapes_and_export(device):
     f = CASES["div_leaky_relu_bias"][0]
     rec = Recorder()

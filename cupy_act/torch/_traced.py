@@ -10,12 +10,14 @@ compiler sees the graph of ``torch.relu`` / ``F.leaky_relu`` / the divided
 expression and generates the same code: compiled results are compiled
 PyTorch's bit for bit.
 
-``apply`` saves what Inductor chooses (no mask): measured the fastest in whole
-models (docs/performance-notes.md, 2026-11-24). ``PackedMaskAct`` keeps a
+``apply`` saves what Inductor chooses (no mask). ``PackedMaskAct`` keeps a
 packed 1-bit mask in traced operations instead, for an activation that ends a
-fusion region, as after a convolution (cuDNN's kernel is opaque to Inductor),
-where Inductor would otherwise save a one-byte boolean: the convolution block
-uses it under compile.
+fusion region (after a convolution, whose cuDNN kernel Inductor cannot fuse
+into), where Inductor would otherwise save a one-byte boolean. Measured on
+the seed-003 block it cost 1.03-1.14x torch.compile's time (the packing did
+not fuse with the forward's kernel; docs/performance-notes.md, 2026-11-24),
+so no default uses it: ``ACT_MASK`` and ``conv.COMPILED_EPILOGUE`` select it
+for those measurements.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def pre(op: str, x: Tensor, divisor: float, bias, inplace: bool) -> Tensor:
 
 # A packed mask for every activation under autograd, (word bits, layout) as
 # ``pack`` takes them, or None: Inductor's choice. A knob for the candidates of
-# scripts/models.py; None measured fastest (docs/performance-notes.md).
+# scripts/models.py (its "ours+mask" variant).
 ACT_MASK: tuple[int, str] | None = None
 
 
@@ -57,38 +59,42 @@ def apply(op: str, x: Tensor, slope: float, divisor: float, bias, inplace: bool)
     cupy_act's eager in-place ops give.
     """
     spec = _registry.OPS[op]
-    if ACT_MASK is not None and _impl.needs_grad(x, bias):
-        y = PackedMaskAct.apply(x, bias, op, slope, divisor, *ACT_MASK)
-        return x.copy_(y) if inplace else y  # (only the mask is saved: x may change)
+    packing = ACT_MASK if _impl.needs_grad(x, bias) else None
     if not inplace:
+        if packing is not None:
+            return PackedMaskAct.apply(x, bias, op, slope, divisor, *packing)
         return spec.torch_forward(torch, pre(op, x, divisor, bias, False), slope, None)
     t = pre(op, x, divisor, bias, True)
-    if slope >= 0:
+    if slope >= 0 and packing is None:
         return spec.torch_forward_(torch, t, slope)
-    return InplaceAct.apply(t, spec.undivided or op, slope)
+    return InplaceAct.apply(t, spec.undivided or op, slope, packing)
 
 
 class InplaceAct(torch.autograd.Function):
-    """t = act(t) in place (marked dirty), saving the mask bits taken before: the
-    out-of-place gradient for any slope. (Writing an out-of-place result back
-    with ``copy_`` would add copy_'s zero gradient for the overwritten input,
-    and 0 + -0 loses the sign of a zero gradient.) ``op`` is undivided here:
-    the division, if any, was done in place before, with its own gradient."""
+    """t = act(t) in place (marked dirty), saving the mask bits taken before, as
+    booleans or packed (``packing``: None, or (word bits, layout) as ``pack``
+    takes them): the out-of-place gradient for any slope. (Writing an
+    out-of-place result back with ``copy_`` would add copy_'s zero gradient
+    for the overwritten input, and 0 + -0 loses the sign of a zero gradient.)
+    ``op`` is undivided here: the division, if any, was done in place before,
+    with its own gradient."""
 
     @staticmethod
-    def forward(ctx, t, op, slope):
+    def forward(ctx, t, op, slope, packing):
         spec = _registry.OPS[op]
-        ctx.save_for_backward(spec.torch_bit(torch, t, None))
+        bits = spec.torch_bit(torch, t, None)
+        ctx.save_for_backward(bits if packing is None else pack(bits, *packing))
         ctx.mark_dirty(t)
-        ctx.args = (op, slope)
+        ctx.args = (op, slope, packing, t.shape, _impl.is_channels_last(t))
         spec.torch_forward_(torch, t, slope)
         return t  # (Dynamo needs the dirty input itself returned)
 
     @staticmethod
     def backward(ctx, gy):
-        (bits,) = ctx.saved_tensors
-        op, slope = ctx.args
-        return _impl.backward_from_bits(op, gy, bits, slope, 1.0), None, None
+        (saved,) = ctx.saved_tensors
+        op, slope, packing, shape, channels_last = ctx.args
+        bits = saved if packing is None else unpack(saved, shape, channels_last, packing[1])
+        return _impl.backward_from_bits(op, gy, bits, slope, 1.0), None, None, None
 
 
 # ---- the packed mask in traced operations ----
