@@ -153,7 +153,8 @@ def diagnose_cupy() -> None:
     import cupy_act
     from cupy_act import _arrays, _plan, _scalars
 
-    x = cupy.random.standard_normal(65536, dtype=cupy.float32)
+    # (from the host: the lean CUDA extras install no cuRAND for cupy.random)
+    x = cupy.asarray(numpy.random.default_rng(0).standard_normal(65536, dtype=numpy.float32))
     y = cupy.empty_like(x)
     ek = cupy.ElementwiseKernel("T x, T s", "T y", "y = x > 0 ? x : x * s", "diag_leaky")
     s32 = numpy.float32(0.01)
