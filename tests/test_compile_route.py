@@ -1,10 +1,11 @@
 """torch.compile's default route: our activations trace into PyTorch operations.
 
 The compiled forward and backward graphs hold no ``cupy_act::`` op, autograd
-saves no more than with PyTorch's activations (the convolution block: a packed
-mask instead of a one-byte boolean), and Inductor's code gives compiled
-PyTorch's bits. The custom-op route (``set_compile_route("kernels")``) keeps
-its own tests here; the conformance rows cover the compile modes end to end.
+saves no more than with PyTorch's activations, and Inductor's code gives
+compiled PyTorch's bits; the measured candidates (packed masks in traced
+operations, the convolution block's kernel epilogue) keep their bits too.
+The custom-op route (``set_compile_route("kernels")``) keeps its own tests
+here; the conformance rows cover the compile modes end to end.
 """
 
 import os
