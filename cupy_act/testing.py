@@ -95,18 +95,21 @@ class ConvDivLeakyReLUModel(torch.nn.Module):
         return F.leaky_relu(self.conv(x) / self.divisor, self.negative_slope)
 
 
-def saved_sizes(fn, *args):
+def saved_sizes(fn, *args, held=()):
     """``(fn(*args), [(dtype, numel) of each tensor autograd saved during the call])``.
 
     Recorded through saved_tensors_hooks. Only sizes are kept: holding the saved
     tensors themselves past the call keeps the whole graph alive after its
     output is gone (measured: the peak memory of scripts/train.py grew by the
-    probe's activations).
+    probe's activations). Tensors sharing storage with one of ``held`` (the
+    input and parameters, which the caller keeps anyway) are left out.
     """
     sizes = []
+    kept = {t.untyped_storage().data_ptr() for t in held}
 
     def pack(t):
-        sizes.append((t.dtype, t.numel()))
+        if t.untyped_storage().data_ptr() not in kept:
+            sizes.append((t.dtype, t.numel()))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -258,7 +258,10 @@ def _conv_fwd_bwd(f, x, w, b, gy, x_grad):
     return (y.detach(), *torch.autograd.grad(y, wrt, gy))
 
 
-EPILOGUES = ["kernels", None, (8, "strided"), (32, "flat")]
+# set_compiled_epilogue's choices; "route=kernels": "packed" under
+# set_compile_route("kernels"), which puts our kernels there too; the other
+# packings that scripts/models.py measures (conv.COMPILED_EPILOGUE's values)
+EPILOGUES = ["traced", "packed", "kernels", "route=kernels", (8, "strided"), (32, "flat")]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -266,12 +269,22 @@ EPILOGUES = ["kernels", None, (8, "strided"), (32, "flat")]
 @pytest.mark.parametrize("epilogue", EPILOGUES, ids=str)
 @pytest.mark.parametrize("algorithm", ["exact", "channels_last"])
 def test_conv_block_epilogues_under_compile(algorithm, epilogue, x_grad, device, monkeypatch):
-    """The convolution block's epilogue under compile: by default (None) traced
+    """The convolution block's epilogue under compile: by default ("traced")
     PyTorch operations, no cupy_act op, saving no more than PyTorch's block;
-    "kernels" puts our kernel and its 1-bit mask there, the traced packed
-    candidates a packed mask, both where Inductor saves a boolean or more.
-    All give compiled PyTorch's bits (the bias gradient: its rounding)."""
-    monkeypatch.setattr(ct.conv, "COMPILED_EPILOGUE", epilogue)
+    "packed" (and the other packings) traced with a packed mask; "kernels"
+    our kernel and its 1-bit mask. The masks replace at least a boolean per
+    element of PyTorch's saved state. All give compiled PyTorch's bits (the
+    bias gradient: its rounding)."""
+    monkeypatch.setattr(ct.conv, "COMPILED_EPILOGUE", ct.conv.COMPILED_EPILOGUE)  # (restored)
+    if epilogue == "route=kernels":
+        monkeypatch.setattr(ct.functional._compile, "kernels", True)
+        ct.set_compiled_epilogue("packed")
+        epilogue = "kernels"
+    elif isinstance(epilogue, str):
+        ct.set_compiled_epilogue(epilogue)
+        epilogue = ct.conv.COMPILED_EPILOGUE
+    else:
+        ct.conv.COMPILED_EPILOGUE = epilogue
     ours, theirs = _conv_cases()[algorithm]
     torch.manual_seed(0)
     x = torch.randn(2, 3, 9, 11, device=device)
@@ -305,6 +318,38 @@ def test_conv_block_epilogues_under_compile(algorithm, epilogue, x_grad, device,
     torch.testing.assert_close(got[-1], want[-1], rtol=1e-6, atol=1e-6)
 
 
+def test_set_compiled_epilogue():
+    assert ct.conv.COMPILED_EPILOGUE is None, "the default: traced, Inductor's saved state"
+    try:
+        assert ct.set_compiled_epilogue("packed") == "traced"
+        assert ct.conv.COMPILED_EPILOGUE == (8, "flat")
+        assert ct.set_compiled_epilogue("kernels") == "packed"
+    finally:
+        assert ct.set_compiled_epilogue("traced") == "kernels"
+    with pytest.raises(ValueError, match=r"epilogue='mask'.*\('traced', 'packed', 'kernels'\)"):
+        ct.set_compiled_epilogue("mask")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("word", [8, 32])
+def test_flat_packing_fuses_with_the_forward(word):
+    """Inductor's Triton code writes y and the packed words of the "flat" layout
+    in one kernel (y is read through the words on the packing's grid), so the
+    mask costs no second read of the activation's input. (Its C++ code fuses
+    them however y is written: no CPU case.)"""
+    device = "cuda"
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    z = torch.randn(4, 16, 30, 30, device=device, requires_grad=True)
+    torch._dynamo.reset()
+    f = torch.compile(
+        lambda z: _traced.packed_mask_act(z, None, "div_leaky_relu", 0.01, 2.0, word, "flat")
+    )
+    _, (forward, _) = run_and_get_code(lambda: f(z).backward(torch.randn_like(z)))
+    assert forward.count("async_compile.triton(") == 1, forward
+
+
 @pytest.mark.parametrize("word", [8, 32])
 @pytest.mark.parametrize("layout", ["strided", "flat"])
 @pytest.mark.parametrize("shape", [(3,), (2, 3, 4, 5), (1, 7, 3, 3), (2, 5, 1, 9)])
@@ -317,7 +362,8 @@ def test_traced_pack_round_trip(channels_last, shape, layout, word):
     assert mask.numel() == -(-bits.numel() // word)
     assert mask.dtype == (torch.uint8 if word == 8 else torch.int32)
     cl = channels_last and len(shape) == 4
-    assert torch.equal(_traced.unpack(mask, bits.shape, cl, layout), bits)
+    for test in (False, True):
+        assert torch.equal(_traced.unpack(mask, bits.shape, cl, layout, test), bits)
 
 
 def test_kernels_route_puts_our_ops_in_the_graph_and_recompiles_on_a_switch():

@@ -13,8 +13,14 @@ from . import (
     modules,
 )
 from .adopt import *  # noqa: F403  (replace_activations, activations_mode)
-from .conv import conv2d_div_leaky_relu
+from .conv import conv2d_div_leaky_relu, set_compiled_epilogue
 from .functional import *  # noqa: F403  (the public functions, listed in functional.__all__)
 from .modules import *  # noqa: F403  (the nn.Modules, listed in modules.__all__)
 
-__all__ = [*functional.__all__, "conv2d_div_leaky_relu", *modules.__all__, *adopt.__all__]
+__all__ = [
+    *functional.__all__,
+    "conv2d_div_leaky_relu",
+    "set_compiled_epilogue",
+    *modules.__all__,
+    *adopt.__all__,
+]

@@ -10,14 +10,18 @@ compiler sees the graph of ``torch.relu`` / ``F.leaky_relu`` / the divided
 expression and generates the same code: compiled results are compiled
 PyTorch's bit for bit.
 
-``apply`` saves what Inductor chooses (no mask). ``PackedMaskAct`` keeps a
+``apply`` saves what Inductor chooses (no mask). ``packed_mask_act`` keeps a
 packed 1-bit mask in traced operations instead, for an activation that ends a
 fusion region (after a convolution, whose cuDNN kernel Inductor cannot fuse
-into), where Inductor would otherwise save a one-byte boolean. Measured on
-the seed-003 block it cost 1.03-1.14x torch.compile's time (the packing did
-not fuse with the forward's kernel; docs/performance-notes.md, 2026-11-24),
-so no default uses it: ``ACT_MASK`` and ``conv.COMPILED_EPILOGUE`` select it
-for those measurements.
+into), where Inductor would otherwise save a one-byte boolean: y is read
+through the packed word, so Inductor writes both in one kernel. Measured on an
+H100 (docs/performance-notes.md, 2026-11-24): the seed-003 block alone 0.96x
+torch.compile's forward + backward with 1/8 of its activation state; but the
+block feeding pooling 1.25x (Inductor no longer fuses the epilogue into the
+pooling), and cspdarknet53 with a mask on every (in-place) activation 1.25x.
+So no default uses it: ``conv.set_compiled_epilogue("packed")``
+selects it for a block that ends the region, ``ACT_MASK`` for the models'
+measurement.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 from torch import Tensor
 
 from .. import _registry
-from . import _impl, _library
+from . import _impl
 
 
 def pre(op: str, x: Tensor, divisor: float, bias, inplace: bool) -> Tensor:
@@ -62,7 +66,7 @@ def apply(op: str, x: Tensor, slope: float, divisor: float, bias, inplace: bool)
     packing = ACT_MASK if _impl.needs_grad(x, bias) else None
     if not inplace:
         if packing is not None:
-            return PackedMaskAct.apply(x, bias, op, slope, divisor, *packing)
+            return packed_mask_act(x, bias, op, slope, divisor, *packing)
         return spec.torch_forward(torch, pre(op, x, divisor, bias, False), slope, None)
     t = pre(op, x, divisor, bias, True)
     if slope >= 0 and packing is None:
@@ -124,62 +128,95 @@ def _from_memory_order(flat: Tensor, shape, channels_last: bool) -> Tensor:
     return flat.view([shape[p] for p in perm]).permute(inverse)
 
 
-def pack(bits: Tensor, word: int = 8, layout: str = "strided") -> Tensor:
-    """Booleans -> a packed mask of ``word``-bit words (8 or 32), in memory order."""
-    flat = _memory_order(bits)
+def _grid(t: Tensor, word: int, layout: str) -> Tensor:
+    """t's elements in memory order, zero-padded to whole words, as the
+    (bits, words) grid of ``"strided"`` or the (words, bits) grid of ``"flat"``."""
+    flat = _memory_order(t)
     pad = -flat.numel() % word
     if pad:
         flat = torch.nn.functional.pad(flat, (0, pad))
+    return flat.view(word, -1) if layout == "strided" else flat.view(-1, word)
+
+
+def _shifts(word: int, dtype: torch.dtype, device, layout: str) -> Tensor:
+    """Bit j's shift, along the grid's bit axis."""
+    shifts = torch.arange(word, dtype=dtype, device=device)
+    return shifts.view(-1, 1) if layout == "strided" else shifts
+
+
+def _pack_grid(bits: Tensor, word: int, layout: str) -> Tensor:
     dtype = _WORDS[word]
-    grid = flat.view(word, -1) if layout == "strided" else flat.view(-1, word)
-    axis = 0 if layout == "strided" else 1
-    shifts = torch.arange(word, dtype=dtype, device=bits.device)
-    shifts = shifts.view(-1, 1) if layout == "strided" else shifts
+    shifts = _shifts(word, dtype, bits.device, layout)
     # distinct powers of two: the sum is the bitwise or, exact in the word's dtype
-    return (grid.to(dtype) << shifts).sum(axis, dtype=dtype)
+    return (bits.to(dtype) << shifts).sum(0 if layout == "strided" else 1, dtype=dtype)
 
 
-def unpack(mask: Tensor, shape, channels_last: bool, layout: str = "strided") -> Tensor:
-    """The inverse of ``pack``: booleans of ``shape``, channels-last or in C order."""
+def _unpack_grid(mask: Tensor, layout: str, test: bool) -> Tensor:
     word = 8 if mask.dtype == torch.uint8 else 32
-    shifts = torch.arange(word, dtype=mask.dtype, device=mask.device)
-    if layout == "strided":
-        grid = (mask.view(1, -1) >> shifts.view(-1, 1)) & 1
-    else:
-        grid = (mask.view(-1, 1) >> shifts) & 1
-    flat = grid.reshape(-1)[: math.prod(shape)]
-    return _from_memory_order(flat.bool(), shape, channels_last)
+    shifts = _shifts(word, mask.dtype, mask.device, layout)
+    words = mask.view(1, -1) if layout == "strided" else mask.view(-1, 1)
+    return (words & (1 << shifts)) != 0 if test else ((words >> shifts) & 1).bool()
+
+
+def pack(bits: Tensor, word: int = 8, layout: str = "strided") -> Tensor:
+    """Booleans -> a packed mask of ``word``-bit words (8 or 32), in memory order."""
+    return _pack_grid(_grid(bits, word, layout), word, layout)
+
+
+def unpack(
+    mask: Tensor, shape, channels_last: bool, layout: str = "strided", test: bool = False
+) -> Tensor:
+    """The inverse of ``pack``: booleans of ``shape``, channels-last or in C order.
+
+    ``test`` reads a bit as ``word & (1 << j) != 0`` instead of ``(word >> j) & 1``:
+    the same booleans from other operations, so that a forward's unpacking is
+    not merged with the backward's (merged, the partitioner saves the unpacked
+    booleans, which the backward then reads, instead of the mask).
+    """
+    flat = _unpack_grid(mask, layout, test).reshape(-1)[: math.prod(shape)]
+    return _from_memory_order(flat, shape, channels_last)
 
 
 class PackedMaskAct(torch.autograd.Function):
-    """y = op((x [+ bias]) / divisor) in traced PyTorch operations, saving only a
-    packed mask; the backward is the registry's PyTorch backward fed the bits
-    (``_impl.backward_from_bits``), so the gradient is PyTorch's bit for bit.
-    For torch.compile (no jvp or vmap rule: Dynamo refuses them)."""
+    """y = op(grid) on a packing grid of what the activation sees (``_grid``),
+    in traced PyTorch operations, saving only the packed mask; the backward is
+    the registry's PyTorch backward fed the bits (``_impl.backward_from_bits``),
+    so the gradient is PyTorch's bit for bit. ``op`` is undivided here: the
+    bias and the division stay outside, with autograd's own gradients, as the
+    grid's views do (a view made inside a Function could not be written in
+    place after it). For torch.compile (no jvp or vmap rule: Dynamo refuses them).
+    """
 
     @staticmethod
-    def forward(ctx, x, bias, op, slope, divisor, word, layout):
+    def forward(ctx, grid, op, slope, word, layout):
         spec = _registry.OPS[op]
-        t = _impl.pre(op, x, divisor, bias)
-        mask = pack(spec.torch_bit(torch, t, None), word, layout)
+        mask = _pack_grid(spec.torch_bit(torch, grid, None), word, layout)
         ctx.save_for_backward(mask)
-        ctx.args = (op, slope, divisor, layout, bias is not None)
-        ctx.layout = (t.shape, _impl.is_channels_last(t))
-        return spec.torch_forward(torch, t, slope, None)
+        ctx.args = (op, slope, layout)
+        # y read through the packed word: where the bit is set every op's
+        # forward is t itself (t > 0, or relu's NaN passed through), so the
+        # select gives the forward's bits. It makes y a consumer of the packing
+        # reduction over the same (words, bits) iteration space, which Inductor
+        # emits in the reduction's kernel (as it does a normalization after its
+        # statistics); computed apart, or on t's own shape, the two read t in
+        # two kernels (docs/performance-notes.md).
+        bits = _unpack_grid(mask, layout, test=True)
+        return torch.where(bits, grid, spec.torch_forward(torch, grid, slope, None))
 
     @staticmethod
     def backward(ctx, gy):
         (mask,) = ctx.saved_tensors
-        op, slope, divisor, layout, has_bias = ctx.args
-        shape, channels_last = ctx.layout
-        bits = unpack(mask, shape, channels_last, layout)
-        dx = _impl.backward_from_bits(op, gy, bits, slope, divisor)
-        db = _library.bias_grad(dx) if has_bias else None
-        return dx, db, None, None, None, None, None
+        op, slope, layout = ctx.args
+        bits = _unpack_grid(mask, layout, test=False)
+        return _impl.backward_from_bits(op, gy, bits, slope, 1.0), None, None, None, None
 
 
 def packed_mask_act(x, bias, op, slope, divisor, word=8, layout="strided") -> Tensor:
-    """``PackedMaskAct`` where autograd needs it, else the plain traced forward."""
-    if _impl.needs_grad(x, bias):
-        return PackedMaskAct.apply(x, bias, op, slope, divisor, word, layout)
-    return apply(op, x, slope, divisor, bias, False)
+    """y = op((x [+ bias]) / divisor) in traced operations, saving a packed
+    mask (``PackedMaskAct``) where autograd needs one."""
+    if not _impl.needs_grad(x, bias):
+        return apply(op, x, slope, divisor, bias, False)
+    t = _impl.pre(op, x, divisor, bias)
+    undivided = _registry.OPS[op].undivided or op
+    y = PackedMaskAct.apply(_grid(t, word, layout), undivided, slope, word, layout)
+    return _from_memory_order(y.reshape(-1)[: t.numel()], t.shape, _impl.is_channels_last(t))

@@ -34,7 +34,7 @@ from .._scalars import check_divisor, check_real
 from . import _impl, _library, _traced
 from . import functional as F
 
-__all__ = ["conv2d_div_leaky_relu", "ALGORITHMS"]
+__all__ = ["conv2d_div_leaky_relu", "set_compiled_epilogue", "ALGORITHMS"]
 
 ALGORITHMS = ("exact", "channels_last", "fused", "fused_tf32", "auto")
 FNAME = "cupy_act.torch.conv2d_div_leaky_relu"
@@ -232,19 +232,49 @@ def conv2d_div_leaky_relu(
     return _unfused(input, weight, bias, divisor, negative_slope, stride, padding, dilation, cl)
 
 
-# The epilogue under torch.compile: None (the default: the activations'
-# route, traced PyTorch operations unless set_compile_route("kernels")),
-# "kernels" (cupy_act's kernel and 1-bit mask as custom ops whatever the
-# route), or a packed mask in traced operations, (word bits, layout) as
-# _traced.pack takes them. Measured (docs/performance-notes.md, 2026-11-24):
-# on the seed-003 block alone, forward + backward against torch.compile's,
-# "kernels" 0.96x time with 0.42x saved bytes, traced 1.00x with 1.00x, the
-# traced packed masks 1.03-1.14x; but where the block feeds a fusable op
-# (scripts/train.py's classifier pools it), Inductor fuses the traced
-# epilogue into the pooling and "kernels" measured 1.19x. Traced never costs
-# time against compiled PyTorch, so it is the default; this knob is for the
-# measurements (scripts/models.py --models block).
+# The epilogue under torch.compile where it trains (without a gradient to
+# compute it is the activations' traced forward): None (the activations'
+# route: traced PyTorch operations, Inductor choosing what to save), a packed
+# 1-bit mask in traced operations ((word bits, layout) as _traced.pack takes
+# them), or "kernels" (cupy_act's kernel and mask as custom ops).
+# set_compile_route("kernels") puts our kernels here too. set_compiled_epilogue
+# is the public switch; other packings are for scripts/models.py --models block.
 COMPILED_EPILOGUE: str | tuple[int, str] | None = None
+COMPILED_EPILOGUES = {"traced": None, "packed": (8, "flat"), "kernels": "kernels"}
+
+
+def set_compiled_epilogue(epilogue: str) -> str:
+    """Choose what the elementwise part of ``conv2d_div_leaky_relu``'s ``"exact"``
+    and ``"channels_last"`` algorithms becomes under ``torch.compile`` when it
+    trains; returns the previous choice. Dynamo recompiles on a change.
+
+    - ``"traced"`` (the default): PyTorch's operations, as the activations'
+      route gives them. Inductor fuses them with what follows (pooling, a next
+      layer's elementwise work) and saves one boolean per element, as for
+      PyTorch's own block. Never slower than compiled PyTorch.
+    - ``"packed"``: traced operations that save a 1-bit mask packed into bytes,
+      written by the same kernel as the output. Where the block ends the
+      compiled region (its output goes to the loss or leaves the graph, as in
+      the seed model) it measured 0.96x compiled PyTorch's forward + backward
+      with 1/8 of its saved activation state; where Inductor would fuse the
+      block into a following pooling, 1.25x (the output is then written and
+      read again). On an H100, ``scripts/models.py --models block``.
+    - ``"kernels"``: cupy_act's CUDA epilogue and mask as opaque custom ops
+      (the same time and memory as ``"packed"`` on the block alone, equally
+      unfusable).
+
+    The fused algorithms are one custom op whatever the choice.
+    """
+    global COMPILED_EPILOGUE
+    if epilogue not in COMPILED_EPILOGUES:
+        raise ValueError(
+            f"set_compiled_epilogue: epilogue={epilogue!r}; expected one of "
+            f"{tuple(COMPILED_EPILOGUES)}"
+        )
+    names = {v: k for k, v in COMPILED_EPILOGUES.items()}
+    previous = names.get(COMPILED_EPILOGUE, str(COMPILED_EPILOGUE))
+    COMPILED_EPILOGUE = COMPILED_EPILOGUES[epilogue]
+    return previous
 
 
 def _unfused(x, weight, bias, divisor, slope, stride, padding, dilation, channels_last):
@@ -259,7 +289,7 @@ def _unfused(x, weight, bias, divisor, slope, stride, padding, dilation, channel
     pre = torch.nn.functional.conv2d(x, weight, inner, stride, padding, dilation)
     outer = bias if x.is_cuda else None
     how = COMPILED_EPILOGUE
-    if how is None or not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() or how is None or F._compile.kernels:
         return F.div_leaky_relu(pre, divisor, slope, bias=outer)
     d, s = float(divisor), float(slope)
     if how == "kernels":

@@ -56,8 +56,8 @@ def set_compile_route(route: str) -> str:
     - ``"traced"`` (the default): PyTorch's own operations for the activation,
       which Inductor fuses with its neighbours (a BatchNorm before it, a bias
       and division) and rematerializes: a compiled model runs as fast and as
-      light as with PyTorch's activations, with the same bits. The 1-bit mask
-      is kept where it is the cheapest saved state (the convolution block).
+      light as with PyTorch's activations, with the same bits. (The convolution
+      block can keep a packed 1-bit mask instead: ``set_compiled_epilogue``.)
     - ``"kernels"``: cupy_act's CUDA kernels as opaque custom ops with their
       1-bit masks, as in eager mode. Inductor cannot fuse them: each costs an
       extra read and write of its tensor each way, and training steps measured
