@@ -9,10 +9,12 @@ current stream; CPU tensors run a plain-torch implementation of the same ops.
 from . import (
     _library,  # noqa: F401  (registers the cupy_act:: custom ops)
     adopt,
+    batchnorm,
     functional,
     modules,
 )
 from .adopt import *  # noqa: F403  (replace_activations, activations_mode)
+from .batchnorm import *  # noqa: F403  (BatchNormAct2d, fuse_batchnorm_act)
 from .conv import conv2d_div_leaky_relu, set_compiled_epilogue
 from .functional import *  # noqa: F403  (the public functions, listed in functional.__all__)
 from .modules import *  # noqa: F403  (the nn.Modules, listed in modules.__all__)
@@ -23,4 +25,5 @@ __all__ = [
     "set_compiled_epilogue",
     *modules.__all__,
     *adopt.__all__,
+    *batchnorm.__all__,
 ]

@@ -1,0 +1,231 @@
+"""BatchNormAct2d and fuse_batchnorm_act, against nn.BatchNorm2d followed by
+PyTorch's activation: outputs, gradients and running statistics bit for bit,
+state_dict compatibility, the fuser on Sequential pairs and on timm's module
+shape, and the compiled graphs. CPU here; CUDA with the ``gpu`` marker."""
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from test_compile_route import Recorder  # noqa: E402
+from torch import nn  # noqa: E402
+
+import cupy_act.torch as ct  # noqa: E402
+from cupy_act import testing  # noqa: E402
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+# act_layer, negative_slope -> PyTorch's activation module
+ACTS = {
+    "relu": lambda s: nn.ReLU(),
+    "leaky_relu": lambda s: nn.LeakyReLU(s),
+    "identity": lambda s: nn.Identity(),
+}
+
+
+def _same(a, e, what):
+    if e.is_floating_point():
+        testing.assert_bits_equal(a, e, what)
+    else:  # (num_batches_tracked)
+        assert torch.equal(a, e), (what, a, e)
+
+
+def _pair(act, slope, momentum, device):
+    """(ours, PyTorch's BatchNorm2d + activation), the same random affine state."""
+    kwargs = {"negative_slope": slope} if act == "leaky_relu" else None
+    ours = ct.BatchNormAct2d(5, momentum=momentum, act_layer=act, act_kwargs=kwargs)
+    theirs = nn.Sequential(nn.BatchNorm2d(5, momentum=momentum), ACTS[act](slope))
+    with torch.no_grad():
+        ours.weight.uniform_(-2, 2)  # (negative scales too)
+        ours.bias.uniform_(-1, 1)
+    theirs[0].load_state_dict(ours.state_dict())
+    return ours.to(device), theirs.to(device)
+
+
+def _steps(model, xs, gys):
+    """Outputs and input and parameter gradients of training steps, then an eval output."""
+    out = []
+    model.train()
+    for x, gy in zip(xs, gys):
+        x = x.detach().clone().requires_grad_(True)
+        y = model(x)
+        y.backward(gy)
+        params = [p.grad.clone() for p in model.parameters()]
+        out += [y.detach(), x.grad, *params]
+        model.zero_grad(set_to_none=True)
+    model.eval()
+    with torch.no_grad():
+        out.append(model(xs[0]))
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])
+@pytest.mark.parametrize(
+    "act,slope", [("relu", 0.0), ("leaky_relu", 0.2), ("leaky_relu", -0.3), ("identity", 0.0)]
+)
+def test_matches_batchnorm_then_activation(act, slope, momentum, layout, device):
+    ours, theirs = _pair(act, slope, momentum, device)
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    gen = torch.Generator().manual_seed(0)
+    xs = [(torch.randn(4, 5, 6, 7, generator=gen) * 3 + 1).to(device, memory_format=fmt)]
+    xs += [torch.randn(4, 5, 6, 7, generator=gen).to(device, memory_format=fmt) for _ in range(2)]
+    gys = [torch.randn(4, 5, 6, 7, generator=gen).to(device) for _ in xs]
+    got, want = _steps(ours, xs, gys), _steps(theirs, xs, gys)
+    for i, (a, e) in enumerate(zip(got, want)):
+        testing.assert_bits_equal(a, e, f"output {i}")
+    for key, e in theirs[0].state_dict().items():
+        _same(ours.state_dict()[key], e, key)
+
+
+def test_state_dict_is_batchnorm2d():
+    bn = nn.BatchNorm2d(3)
+    bn(torch.randn(2, 3, 4, 4))  # (running statistics and a batch count)
+    ours = ct.BatchNormAct2d(3, act_layer="leaky_relu")
+    assert list(ours.state_dict()) == list(bn.state_dict())
+    ours.load_state_dict(bn.state_dict())
+    for key, e in bn.state_dict().items():
+        _same(ours.state_dict()[key], e, key)
+    assert "act='leaky_relu', negative_slope=0.01" in repr(ours)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"act_layer": "gelu"}, r"act_layer='gelu' is not supported; expected one of"),
+        ({"act_layer": nn.SiLU}, r"act_layer=<class .*SiLU'> is not supported"),
+        ({"act_kwargs": {"alpha": 1.0}}, r"act_kwargs \['alpha'\] not supported"),
+        ({"act_kwargs": {"negative_slope": 0.1}}, r"negative_slope given for act_layer 'relu'"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ct.BatchNormAct2d(3, **kwargs)
+
+
+def test_timm_signature_and_apply_act():
+    m = ct.BatchNormAct2d(3, apply_act=False, act_layer=nn.LeakyReLU)
+    assert m.act == "identity"
+    slope = {"negative_slope": 0.1}
+    m = ct.BatchNormAct2d(3, act_layer=nn.LeakyReLU, act_kwargs=slope, inplace=False)
+    assert (m.act, m.negative_slope) == ("leaky_relu", 0.1)
+
+
+def _cnn():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3),
+        nn.BatchNorm2d(8),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(8, 8, 3),
+        nn.BatchNorm2d(8),
+        nn.LeakyReLU(0.1),
+        nn.BatchNorm2d(8),  # (no activation after it: stays)
+        nn.Flatten(),
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fuse_sequential_pairs(device):
+    ref = _cnn().to(device)
+    model = copy.deepcopy(ref)
+    weight = model[1].weight
+    keys = list(model.state_dict())
+    model, count = ct.fuse_batchnorm_act(model)
+    assert count == 2
+    assert type(model[1]) is ct.BatchNormAct2d and type(model[2]) is nn.Identity
+    assert (model[4].act, model[4].negative_slope) == ("leaky_relu", 0.1)
+    assert type(model[6]) is nn.BatchNorm2d
+    assert model[1].weight is weight, "the fused module holds the same parameters"
+    assert list(model.state_dict()) == keys
+    torch.manual_seed(1)
+    xs = [torch.randn(2, 3, 9, 9, device=device) for _ in range(2)]
+    gys = [torch.randn(2, 8 * 5 * 5, device=device) for _ in xs]
+    for i, (a, e) in enumerate(zip(_steps(model, xs, gys), _steps(ref, xs, gys))):
+        testing.assert_bits_equal(a, e, f"output {i}")
+
+
+class BatchNormAct2d(nn.BatchNorm2d):
+    """The shape of timm's BatchNormAct2d (timm is not a test dependency)."""
+
+    def __init__(self, n, act, drop=None):
+        super().__init__(n)
+        self.drop = drop or nn.Identity()
+        self.act = act
+
+    def forward(self, x):
+        return self.act(self.drop(super().forward(x)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fuse_timm_shaped_modules(device):
+    torch.manual_seed(0)
+    ref = nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        BatchNormAct2d(4, nn.LeakyReLU(0.1, inplace=True)),
+        nn.Conv2d(4, 4, 3),
+        BatchNormAct2d(4, nn.ReLU()),
+        BatchNormAct2d(4, nn.Identity()),
+        BatchNormAct2d(4, nn.ReLU(), drop=nn.Dropout(0.0)),  # (dropout: left alone)
+        BatchNormAct2d(4, nn.GELU()),  # (not ours to fuse)
+    ).to(device)
+    model, count = ct.fuse_batchnorm_act(copy.deepcopy(ref))
+    assert count == 3
+    ours = [type(m) is ct.BatchNormAct2d for m in model]
+    assert ours == [False, True, False, True, True, False, False]
+    assert [model[i].act for i in (1, 3, 4)] == ["leaky_relu", "relu", "identity"]
+    assert list(model.state_dict()) == list(ref.state_dict())
+    torch.manual_seed(1)
+    xs = [torch.randn(2, 3, 8, 8, device=device) for _ in range(2)]
+    gys = [torch.randn(2, 4, 4, 4, device=device) for _ in xs]
+    for i, (a, e) in enumerate(zip(_steps(model, xs, gys), _steps(ref, xs, gys))):
+        testing.assert_bits_equal(a, e, f"output {i}")
+    top, n = ct.fuse_batchnorm_act(BatchNormAct2d(4, nn.ReLU()))
+    assert n == 1 and type(top) is ct.BatchNormAct2d
+
+
+def test_sync_batchnorm_is_left_with_a_warning():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.SyncBatchNorm(4), nn.ReLU())
+    with pytest.warns(UserWarning, match=r"left 1 nn.SyncBatchNorm as they are \(1\).*local"):
+        model, count = ct.fuse_batchnorm_act(model)
+    assert count == 0 and type(model[1]) is nn.SyncBatchNorm
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got int"):
+        ct.fuse_batchnorm_act(3)
+
+
+@pytest.mark.parametrize("act", ["relu", "leaky_relu"])
+def test_compiled_graphs_are_batchnorm_and_activation(act):
+    """Under torch.compile the module traces into aten's batch norm and the
+    activation (which Inductor fuses), no cupy_act op, saving no more than
+    PyTorch's pair."""
+    recs = []
+    for model in _pair(act, 0.2, 0.1, "cpu"):
+        recs.append(Recorder())
+        torch._dynamo.reset()
+        x = torch.randn(4, 5, 6, 7, requires_grad=True)
+        torch.compile(model, backend=recs[-1], fullgraph=True)(x).sum().backward()
+    ours, theirs = recs
+    assert "cupy_act" not in ours.code() and "batch_norm" in ours.code(), ours.code()
+    assert ours.saved_bytes() <= theirs.saved_bytes(), (ours.code(), theirs.code())
+
+
+@pytest.mark.gpu
+def test_fuse_timm_cspdarknet53():
+    """timm's own BatchNormAct2d modules, in the model of the issue: every one
+    fused, the training step PyTorch's bit for bit (deterministic cuDNN)."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    ref = timm.create_model("cspdarknet53", num_classes=10).cuda()
+    timm_bn = sum(type(m).__name__ == "BatchNormAct2d" for m in ref.modules())
+    model, count = ct.fuse_batchnorm_act(copy.deepcopy(ref))
+    assert count == timm_bn > 60
+    assert list(model.state_dict()) == list(ref.state_dict())
+    torch.manual_seed(1)
+    xs = [torch.randn(2, 3, 64, 64, device="cuda") for _ in range(2)]
+    gys = [torch.randn(2, 10, device="cuda") for _ in xs]
+    with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):
+        got, want = _steps(model, xs, gys), _steps(ref, xs, gys)
+    for i, (a, e) in enumerate(zip(got, want)):
+        testing.assert_bits_equal(a, e, f"output {i}")
