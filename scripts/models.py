@@ -415,6 +415,10 @@ def measure_block(args, head: bool) -> list[dict]:
         grads, want = r.pop("grad"), base["grad"]
         r["bit-equal"] = {"y": same_bits(r.pop("y"), base["y"])}
         r["bit-equal"].update({f"d{k}": same_bits(g, want[k]) for k, g in grads.items()})
+        r["grad max rel diff"] = max(
+            ((g - want[k]).abs() / want[k].abs().clamp_min(1e-30)).max().item()
+            for k, g in grads.items()
+        )
     torch.compiler.reset()
     return rows
 
@@ -425,7 +429,11 @@ def print_block(r):
         f"  saved {r['saved MB']:6.1f} MB ({r['saved x torch.compile']:.3f}x),"
         f" beyond x and parameters {r['activation state MB']:6.1f} MB"
         f" ({r['state x torch.compile']:.3f}x)  bit-equal: "
-        + ("all" if all(r["bit-equal"].values()) else "NOT " + str(r["bit-equal"])),
+        + (
+            "all"
+            if all(r["bit-equal"].values())
+            else f"NOT {r['bit-equal']} (gradients within {r['grad max rel diff']:.1e})"
+        ),
         flush=True,
     )
 

@@ -39,7 +39,7 @@ _ACT_CLASSES = {
 
 
 def _act_name(act_layer, where: str) -> str:
-    """ "relu", "leaky_relu" or "identity" from a name, an activation class or None."""
+    """The activation's name (one of ACTS) from a name, an activation class or None."""
     if act_layer is None:
         return "identity"
     if isinstance(act_layer, str):
