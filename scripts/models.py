@@ -178,6 +178,9 @@ class Run:
             to_floor(model)
         elif variant == "ours" or ours:
             ct.replace_activations(model)
+        elif variant == "ours+bn":  # BatchNorm + activation fused, the rest ours
+            ct.fuse_batchnorm_act(model)
+            ct.replace_activations(model)
         self.graphs = mode == "reduce-overhead"
         self.fn = model if mode is None else torch.compile(model, mode=mode, dynamic=False)
         self.opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -264,7 +267,8 @@ def measure(name, eager, shape, classes, integer, batch, args):
     losses = {}
     if torch.backends.cudnn.benchmark:  # cuDNN's algorithm search (and its workspaces) first
         Run(eager, "eager", device, classes).step(*data[0])
-    for v in EAGER_VARIANTS:  # losses and peak memory, one variant at a time
+    variants = EAGER_VARIANTS + (("ours+bn",) if args.bn else ())
+    for v in variants:  # losses and peak memory, one variant at a time
 
         def train(v=v):
             run = Run(eager, v, device, classes)
@@ -273,7 +277,10 @@ def measure(name, eager, shape, classes, integer, batch, args):
         losses[v], row[f"{v} MiB"] = peak_memory_mib(train)
     for v in ("floor", "ours"):
         row[f"{v} bit-equal"] = same_bits(losses[v], losses["eager"])
-    runs = {v: Run(eager, v, device, classes) for v in EAGER_VARIANTS}
+    if args.bn:  # (not bit-equal: statistics in other kernels) the largest loss difference
+        diff = (losses["ours+bn"] - losses["eager"]).abs() / losses["eager"].abs()
+        row["ours+bn loss max rel diff"] = diff.max().item()
+    runs = {v: Run(eager, v, device, classes) for v in variants}
     interleave(runs, data, row, args.rounds)
     return row
 
@@ -505,6 +512,9 @@ def main() -> None:
     ap.add_argument("--compiled", nargs="*", default=default, choices=list(COMPILED))
     ap.add_argument("--cudnn", nargs="+", default=["benchmark", "deterministic"])
     ap.add_argument("--no-eager", action="store_true", help="the compiled table only")
+    ap.add_argument(
+        "--bn", action="store_true", help="an eager ours+bn column: fuse_batchnorm_act as well"
+    )
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="a small MLP, for a quick check")
@@ -540,6 +550,15 @@ def main() -> None:
             for batch in [] if args.no_eager else args.batches:
                 rows.append(measure(name, *built, batch, args))
                 print_row(rows[-1])
+                if args.bn:
+                    r = rows[-1]
+                    ms = r["ours+bn ms"]
+                    print(
+                        f"    ours+bn {ms:8.2f} ms ({ms / r['eager ms']:.3f}x"
+                        f" eager), {r['ours+bn MiB']:.0f} MiB, losses within"
+                        f" {r['ours+bn loss max rel diff']:.1e} of eager's",
+                        flush=True,
+                    )
                 save(rows, args.json)
             for batch in args.compile_batches if args.compiled else []:
                 row = {"model": name, "batch": batch, "cudnn": setting, "table": "compiled"}

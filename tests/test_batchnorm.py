@@ -31,11 +31,11 @@ def _same(a, e, what):
         assert torch.equal(a, e), (what, a, e)
 
 
-def _pair(act, slope, momentum, device):
+def _pair(act, slope, momentum, device, channels=5):
     """(ours, PyTorch's BatchNorm2d + activation), the same random affine state."""
     kwargs = {"negative_slope": slope} if act == "leaky_relu" else None
-    ours = ct.BatchNormAct2d(5, momentum=momentum, act_layer=act, act_kwargs=kwargs)
-    theirs = nn.Sequential(nn.BatchNorm2d(5, momentum=momentum), ACTS[act](slope))
+    ours = ct.BatchNormAct2d(channels, momentum=momentum, act_layer=act, act_kwargs=kwargs)
+    theirs = nn.Sequential(nn.BatchNorm2d(channels, momentum=momentum), ACTS[act](slope))
     with torch.no_grad():
         ours.weight.uniform_(-2, 2)  # (negative scales too)
         ours.bias.uniform_(-1, 1)
@@ -66,7 +66,10 @@ def _steps(model, xs, gys):
 @pytest.mark.parametrize(
     "act,slope", [("relu", 0.0), ("leaky_relu", 0.2), ("leaky_relu", -0.3), ("identity", 0.0)]
 )
-def test_matches_batchnorm_then_activation(act, slope, momentum, layout, device):
+def test_matches_batchnorm_then_activation(act, slope, momentum, layout, device, monkeypatch):
+    """The path without the fused kernels (CPU; CUDA with FUSED off, as in eval):
+    PyTorch's normalization and our activation, bit for bit."""
+    monkeypatch.setattr(ct.batchnorm, "FUSED", False)
     ours, theirs = _pair(act, slope, momentum, device)
     fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     gen = torch.Generator().manual_seed(0)
@@ -128,7 +131,8 @@ def _cnn():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fuse_sequential_pairs(device):
+def test_fuse_sequential_pairs(device, monkeypatch):
+    monkeypatch.setattr(ct.batchnorm, "FUSED", False)  # (the fuser's bits; kernels below)
     ref = _cnn().to(device)
     model = copy.deepcopy(ref)
     weight = model[1].weight
@@ -160,7 +164,8 @@ class BatchNormAct2d(nn.BatchNorm2d):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fuse_timm_shaped_modules(device):
+def test_fuse_timm_shaped_modules(device, monkeypatch):
+    monkeypatch.setattr(ct.batchnorm, "FUSED", False)  # (the fuser's bits; kernels below)
     torch.manual_seed(0)
     ref = nn.Sequential(
         nn.Conv2d(3, 4, 3),
@@ -212,10 +217,11 @@ def test_compiled_graphs_are_batchnorm_and_activation(act):
 
 
 @pytest.mark.gpu
-def test_fuse_timm_cspdarknet53():
+def test_fuse_timm_cspdarknet53(monkeypatch):
     """timm's own BatchNormAct2d modules, in the model of the issue: every one
     fused, the training step PyTorch's bit for bit (deterministic cuDNN)."""
     timm = pytest.importorskip("timm")
+    monkeypatch.setattr(ct.batchnorm, "FUSED", False)  # (the fuser's bits; kernels below)
     torch.manual_seed(0)
     ref = timm.create_model("cspdarknet53", num_classes=10).cuda()
     timm_bn = sum(type(m).__name__ == "BatchNormAct2d" for m in ref.modules())
@@ -229,3 +235,95 @@ def test_fuse_timm_cspdarknet53():
         got, want = _steps(model, xs, gys), _steps(ref, xs, gys)
     for i, (a, e) in enumerate(zip(got, want)):
         testing.assert_bits_equal(a, e, f"output {i}")
+
+
+# ---- the fused CUDA kernels: NVRTC (no GPU needed), then accuracy and determinism ----
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_kernels_compile_with_nvrtc(arch):
+    """Every instantiation compiles, takes the parameter block the host packs,
+    and uses no local memory."""
+    import re
+
+    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    from cupy_act import _batchnorm
+    from cupy_act._source import assembled_source
+
+    names = _batchnorm.all_kernel_names()
+    prog = nvrtc.createProgram(assembled_source(_batchnorm.SOURCE), "batchnorm.cu", (), ())
+    try:
+        for name in names:
+            nvrtc.addNameExpression(prog, name)
+        opts = ("--std=c++17", "-ftz=true", "--device-as-default-execution-space")
+        nvrtc.compileProgram(prog, (*opts, f"-arch=compute_{arch}"))
+        ptx = nvrtc.getPTX(prog).decode()
+    finally:
+        nvrtc.destroyProgram(prog)
+    entries = re.findall(r"^\.(?:visible|weak) \.entry ", ptx, re.M)
+    assert len(entries) == len(set(names)) == 2 + 3 * 2 * 3 * 4
+    sizes = set(re.findall(r"\.param \.align \d+ \.b8 \S+_param_0\[(\d+)\]", ptx))
+    assert sizes == {str(_batchnorm._PARAMS.size)}
+    assert "__local_depot" not in ptx
+
+
+BN_SHAPES = [(4, 5, 6, 7), (3, 17, 9, 11), (8, 64, 33, 33), (2, 40, 1, 1)]
+# float32: no more than twice eager PyTorch's own error against float64, plus
+# this floor; 16-bit outputs: their rounding
+FLOOR = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _fused_steps(model, x, gy, steps=2):
+    out = []
+    for _ in range(steps):
+        xi = x.detach().clone().requires_grad_(True)
+        y = model(xi)
+        y.backward(gy)
+        out += [y.detach().double(), xi.grad.double()]
+        out += [p.grad.double() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+    out += [b.double() for b in model.buffers()]
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("shape", BN_SHAPES, ids=str)
+@pytest.mark.parametrize("act,slope", [("relu", 0.0), ("leaky_relu", 0.1), ("identity", 0.0)])
+def test_fused_kernels_accuracy_and_determinism(act, slope, shape, layout, dtype, monkeypatch):
+    monkeypatch.setattr(ct.batchnorm, "FUSED_CHANNELS_LAST", True)
+    ours, theirs = _pair(act, slope, None if shape[1] == 17 else 0.1, "cuda", shape[1])
+    ref64 = copy.deepcopy(theirs).double()
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(shape, device="cuda", generator=gen) * 2 + 0.5
+    gy = torch.randn(shape, device="cuda", generator=gen)
+    x, gy = x.to(dtype).contiguous(memory_format=fmt), gy.to(dtype)
+    first = copy.deepcopy(ours)
+    got = _fused_steps(ours, x, gy)
+    want = _fused_steps(theirs, x, gy)  # eager PyTorch (float32 parameters)
+    exact = _fused_steps(ref64, x.double(), gy.double())
+    assert got[-1].item() == exact[-1].item() == 2, "num_batches_tracked"
+    for i, (a, e) in enumerate(zip(got, exact)):
+        scale = e.abs().max().item() + 1e-30
+        err = (a - e).abs().max().item() / scale
+        bound = FLOOR[dtype] + 2 * (want[i] - e).abs().max().item() / scale
+        assert err <= bound, f"output {i}: error {err:.2e} over {bound:.2e}"
+    again = _fused_steps(first, x, gy)
+    for i, (a, e) in enumerate(zip(again, got)):
+        testing.assert_bits_equal(a, e, f"run to run, output {i}")
+
+
+@pytest.mark.gpu
+def test_fused_kernels_run_and_eval_falls_back():
+    """Training on CUDA takes the kernels (a 1-bit mask saved, not a second
+    tensor); eval runs PyTorch's normalization with the running statistics."""
+    ours, theirs = _pair("leaky_relu", 0.1, 0.1, "cuda")
+    x = torch.randn(4, 5, 6, 7, device="cuda", requires_grad=True)
+    (_, sizes) = testing.saved_sizes(ours, x)
+    assert (torch.int32, -(-x.numel() // 32)) in sizes, sizes
+    theirs[0].load_state_dict(ours.state_dict())  # (the fused kernels' running statistics)
+    ours.eval(), theirs.eval()
+    with torch.no_grad():
+        testing.assert_bits_equal(ours(x), theirs(x), "eval")

@@ -1,0 +1,171 @@
+"""The fused BatchNorm + activation kernels (``cuda/batchnorm.cu``): lazy
+compilation and the launches, on raw device pointers (no CuPy or torch arrays).
+
+One ``cupy.RawModule`` per dtype, compiled on the first call in that dtype.
+The torch adapter (``cupy_act.torch.batchnorm``) checks and allocates, then
+calls ``forward`` and ``backward`` here, on its current stream.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from typing import NamedTuple
+
+from . import _launch, _loader
+from ._kernels import CTYPES
+from ._source import assembled_source
+
+SOURCE = "batchnorm.cu"
+THREADS = 256  # kBnThreads
+DTYPES = ("float32", "float16", "bfloat16")
+ACTS = {"identity": 0, "relu": 1, "leaky_relu": 2}  # BnAct
+
+# BnParams: 14 pointers, 4 long longs, 2 doubles, a float and an int.
+_PARAMS = struct.Struct("<14Q4q2dfi")
+assert _PARAMS.size == 168
+_scratch = _launch._Scratch(_PARAMS.size)
+
+
+def _names(dtype: str) -> list[str]:
+    t = CTYPES[dtype]
+    names = []
+    for cl in ("false", "true"):
+        for a in ACTS.values():
+            names.append(f"cupy_act::bn_reduce<{t}, {cl}, 0, {a}>")
+            names.append(f"cupy_act::bn_reduce<{t}, {cl}, 1, {a}>")
+            names.append(f"cupy_act::bn_forward<{t}, {cl}, {a}>")
+            names.append(f"cupy_act::bn_backward<{t}, {cl}, {a}>")
+    return names + ["cupy_act::bn_finalize_stats", "cupy_act::bn_finalize_grad"]
+
+
+def all_kernel_names() -> tuple[str, ...]:
+    """Every instantiation, for the CPU-side NVRTC checks."""
+    return tuple(dict.fromkeys(name for dtype in DTYPES for name in _names(dtype)))
+
+
+class _Kernel(NamedTuple):
+    ptr: int
+    ctx: int
+    function: object
+
+
+_lock = threading.Lock()
+_modules: dict[str, object] = {}
+_kernels: dict[tuple, _Kernel] = {}  # (device, name)
+_sms: dict[int, int] = {}
+
+
+def _kernel(device: int, dtype: str, name: str) -> _Kernel:
+    k = _kernels.get((device, name))
+    if k is not None:
+        return k
+    import cupy
+    from cupy.cuda import driver
+
+    with _lock:
+        module = _modules.get(dtype)
+        if module is None:
+            module = _modules[dtype] = cupy.RawModule(
+                code=assembled_source(SOURCE),
+                options=("--std=c++17",),
+                name_expressions=_names(dtype),
+            )
+        with cupy.cuda.Device(device):
+            cupy.cuda.runtime.setDevice(device)  # the primary context (see _loader)
+            ctx = driver.ctxGetCurrent()
+            names = _names(dtype)
+            for n, f in zip(names, _loader._get_functions(module, names)):
+                _kernels[(device, n)] = _Kernel(f.kernel.ptr, ctx, f.kernel)
+    return _kernels[(device, name)]
+
+
+class Buffers(NamedTuple):
+    """Device addresses of one call's arrays (0 where absent)."""
+
+    x: int
+    dy: int
+    y: int
+    mask: int
+    weight: int
+    bias: int
+    mean: int
+    invstd: int
+    partial: int
+    running_mean: int
+    running_var: int
+    grad_weight: int
+    grad_bias: int
+    coef: int
+
+
+def _sm_count(device: int) -> int:
+    n = _sms.get(device)
+    if n is None:
+        import cupy
+
+        n = _sms[device] = cupy.cuda.Device(device).attributes["MultiProcessorCount"]
+    return n
+
+
+def splits(device: int, n: int, channels: int) -> int:
+    """Partial sums per channel (the reduction grid's width): about 32 blocks
+    per multiprocessor over all channels, each block's share at least 2048
+    elements. The partial buffer holds channels x splits x 2 doubles."""
+    per_channel = max(1, n // max(channels, 1))
+    want = max(1, (32 * _sm_count(device)) // max(channels, 1))
+    return int(max(1, min(want, -(-per_channel // 2048), 65535)))
+
+
+def _launch_one(
+    device,
+    dtype,
+    name,
+    grid,
+    stream,
+    b: Buffers,
+    n,
+    inner,
+    channels,
+    nsplit,
+    momentum,
+    eps,
+    slope,
+    threads=THREADS,
+) -> None:
+    k = _kernel(device, dtype, name)
+    s = _scratch
+    _PARAMS.pack_into(s.buf, 0, *b, n, inner, channels, nsplit, momentum, eps, slope, 0)
+    _launch.run(k.ptr, k.ctx, grid, threads, stream, s.argv_ptr)
+
+
+def _grids(device, n, channels, cl, nsplit):
+    reduce_grid = (nsplit, -(-channels // 32) if cl else channels)
+    blocks = min(-(-n // THREADS), 32 * _sm_count(device))
+    return reduce_grid, (max(blocks, 1), 1), (-(-channels // THREADS), 1)
+
+
+def forward(
+    device, dtype, act, channels_last, n, inner, channels, stream, b: Buffers, momentum, eps, slope
+) -> None:
+    """Statistics, running statistics (where b.running_mean), then y and the mask."""
+    t, cl, a = CTYPES[dtype], "true" if channels_last else "false", ACTS[act]
+    nsplit = splits(device, n, channels)
+    red, elem, per_c = _grids(device, n, channels, channels_last, nsplit)
+    args = (n, inner, channels, nsplit, momentum, eps, slope)
+    _launch_one(device, dtype, f"cupy_act::bn_reduce<{t}, {cl}, 0, {a}>", red, stream, b, *args)
+    _launch_one(device, dtype, "cupy_act::bn_finalize_stats", per_c, stream, b, *args)
+    _launch_one(device, dtype, f"cupy_act::bn_forward<{t}, {cl}, {a}>", elem, stream, b, *args)
+
+
+def backward(
+    device, dtype, act, channels_last, n, inner, channels, stream, b: Buffers, slope
+) -> None:
+    """Weight and bias gradients (where given), then dx into b.y."""
+    t, cl, a = CTYPES[dtype], "true" if channels_last else "false", ACTS[act]
+    nsplit = splits(device, n, channels)
+    red, elem, per_c = _grids(device, n, channels, channels_last, nsplit)
+    args = (n, inner, channels, nsplit, 0.0, 0.0, slope)
+    _launch_one(device, dtype, f"cupy_act::bn_reduce<{t}, {cl}, 1, {a}>", red, stream, b, *args)
+    _launch_one(device, dtype, "cupy_act::bn_finalize_grad", per_c, stream, b, *args)
+    _launch_one(device, dtype, f"cupy_act::bn_backward<{t}, {cl}, {a}>", elem, stream, b, *args)

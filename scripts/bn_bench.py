@@ -1,0 +1,95 @@
+"""BatchNorm + LeakyReLU, training forward and forward + backward, at a CNN layer's shape.
+
+    PYTHONPATH=. python scripts/bn_bench.py [--shape 32 32 256 256] [--dtype float32]
+        [--channels-last] [--rounds 20]
+
+Candidates, timed interleaved with CUDA events (median): PyTorch eager
+(``nn.BatchNorm2d`` then ``nn.LeakyReLU(0.01, inplace=True)``, timm's
+BatchNormAct2d), ``cupy_act.torch.BatchNormAct2d`` with the fused kernels, the
+same module without them (``batchnorm.FUSED = False``), and torch.compile of
+PyTorch's pair (Inductor's fused kernels). The floor is the fused kernels'
+traffic over the copy bandwidth measured in the same run: forward reads x
+twice (statistics, then normalization) and writes y and the 1-bit mask;
+backward reads x, dy and the mask twice (reductions, then dx) and writes dx.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch import nn
+
+import cupy_act.torch as ct
+from cupy_act import testing
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", nargs=4, type=int, default=[32, 32, 256, 256])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--channels-last", action="store_true")
+    ap.add_argument("--rounds", type=int, default=20)
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    fmt = torch.channels_last if args.channels_last else torch.contiguous_format
+    n, c, h, w = args.shape
+    x = torch.randn(n, c, h, w, device="cuda").to(dtype).contiguous(memory_format=fmt)
+    gy = torch.randn_like(x)
+    torch.backends.cudnn.benchmark = True
+
+    theirs = nn.Sequential(nn.BatchNorm2d(c), nn.LeakyReLU(0.01, inplace=True)).cuda()
+    ours = ct.BatchNormAct2d(c, act_layer="leaky_relu").cuda()
+    compiled = torch.compile(nn.Sequential(nn.BatchNorm2d(c), nn.LeakyReLU(0.01)).cuda())
+
+    def unfused(xx):
+        ct.batchnorm.FUSED = False
+        try:
+            return ours(xx)
+        finally:
+            ct.batchnorm.FUSED = True
+
+    models = {"pytorch": theirs, "ours fused": ours, "ours unfused": unfused}
+    models["torch.compile"] = compiled
+
+    def fwd(m):
+        return lambda: m(x)
+
+    def fwd_bwd(m):
+        def f():
+            xx = x.detach().requires_grad_(True)
+            m(xx).backward(gy)
+
+        return f
+
+    def copy():
+        gy.copy_(x)  # (gy's values do not matter to the timings)
+
+    size = x.numel() * x.element_size()
+    mask = -(-x.numel() // 32) * 4
+    fwd_bytes = 3 * size + mask
+    bwd_bytes = 2 * (2 * size + mask) + size
+    for what, make, nbytes in (
+        ("forward", fwd, fwd_bytes),
+        ("fwd+bwd", fwd_bwd, fwd_bytes + bwd_bytes),
+    ):
+        fns = {k: make(m) for k, m in models.items()}
+        fns["copy"] = copy
+        with torch.no_grad() if what == "forward" else torch.enable_grad():
+            t = testing.interleaved_median_ms(fns, rounds=args.rounds)
+        bw = 2 * size / (t["copy"] * 1e-3)
+        floor = nbytes / bw * 1e3
+        print(
+            f"{what} {tuple(args.shape)} {args.dtype} {'NHWC' if args.channels_last else 'NCHW'}:"
+            f" copy {bw / 1e9:.0f} GB/s, floor {floor:.3f} ms"
+        )
+        for k in models:
+            print(
+                f"    {k:14s} {t[k]:7.3f} ms  {t[k] / t['pytorch']:5.2f}x pytorch"
+                f"  {floor / t[k]:5.1%} of the floor's speed",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
