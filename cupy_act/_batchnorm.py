@@ -14,7 +14,6 @@ from typing import NamedTuple
 
 from . import _launch, _loader
 from ._kernels import CTYPES
-from ._source import assembled_source
 
 SOURCE = "batchnorm.cu"
 THREADS = 256  # kBnThreads
@@ -60,23 +59,11 @@ def _kernel(device: int, dtype: str, name: str) -> _Kernel:
     k = _kernels.get((device, name))
     if k is not None:
         return k
-    import cupy
-    from cupy.cuda import driver
-
     with _lock:
-        module = _modules.get(dtype)
-        if module is None:
-            module = _modules[dtype] = cupy.RawModule(
-                code=assembled_source(SOURCE),
-                options=("--std=c++17",),
-                name_expressions=_names(dtype),
-            )
-        with cupy.cuda.Device(device):
-            cupy.cuda.runtime.setDevice(device)  # the primary context (see _loader)
-            ctx = driver.ctxGetCurrent()
-            names = _names(dtype)
-            for n, f in zip(names, _loader._get_functions(module, names)):
-                _kernels[(device, n)] = _Kernel(f.kernel.ptr, ctx, f.kernel)
+        names = _names(dtype)
+        ctx, functions = _loader.load_module(_modules, dtype, SOURCE, names, device)
+        for n, f in zip(names, functions):
+            _kernels[(device, n)] = _Kernel(f.kernel.ptr, ctx, f.kernel)
     return _kernels[(device, name)]
 
 

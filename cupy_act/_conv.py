@@ -18,7 +18,6 @@ from typing import NamedTuple
 from . import _launch, _loader
 from ._kernels import CTYPES
 from ._scalars import kernel_scalars
-from ._source import assembled_source
 
 SOURCE = "conv2d.cu"
 THREADS = 128  # kConvThreads
@@ -209,24 +208,12 @@ def kernel(device: int, dtype: str, n_passes: int, channels_last: bool) -> ConvK
     k = _kernels.get(key)
     if k is not None:
         return k
-    import cupy
-    from cupy.cuda import driver
-
     with _lock:
-        module = _modules.get(dtype)
-        if module is None:
-            module = _modules[dtype] = cupy.RawModule(
-                code=assembled_source(SOURCE),
-                options=("--std=c++17",),
-                name_expressions=[kernel_name(*k) for k in module_keys(dtype)],
-            )
-        with cupy.cuda.Device(device):
-            cupy.cuda.runtime.setDevice(device)  # make the primary context current (_loader)
-            ctx = driver.ctxGetCurrent()
-            keys = module_keys(dtype)
-            functions = _loader._get_functions(module, [kernel_name(*k) for k in keys])
-            for k2, f in zip(keys, functions):
-                _kernels[(device, *k2)] = ConvKernel(f.kernel.ptr, ctx, f.kernel)
+        keys = module_keys(dtype)
+        names = [kernel_name(*k) for k in keys]
+        ctx, functions = _loader.load_module(_modules, dtype, SOURCE, names, device)
+        for k2, f in zip(keys, functions):
+            _kernels[(device, *k2)] = ConvKernel(f.kernel.ptr, ctx, f.kernel)
     return _kernels[key]
 
 

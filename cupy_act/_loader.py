@@ -131,6 +131,25 @@ def cache_dir_problem() -> str | None:
     return None
 
 
+def load_module(modules: dict, key, source: str, names: list[str], device: int):
+    """(context, the cupy Functions of ``names``) from ``modules[key]`` on ``device``:
+    a RawModule of the CUDA file ``source``, built on first use (compiled, or
+    loaded from CuPy's disk cache), in the device's primary context. For the
+    modules outside the elementwise ones (the fused convolution, BatchNorm);
+    callers hold their own lock."""
+    import cupy
+    from cupy.cuda import driver
+
+    module = modules.get(key)
+    if module is None:
+        module = modules[key] = cupy.RawModule(
+            code=assembled_source(source), options=("--std=c++17",), name_expressions=names
+        )
+    with cupy.cuda.Device(device):
+        cupy.cuda.runtime.setDevice(device)  # make the primary context current
+        return driver.ctxGetCurrent(), _get_functions(module, names)
+
+
 def _get_functions(module, names) -> list:
     """``module.get_function`` for every name, compiling in memory where CuPy's
     disk cache cannot be written (CuPy would raise a bare OSError)."""
