@@ -267,7 +267,7 @@ def test_kernels_compile_with_nvrtc(arch):
     assert "__local_depot" not in ptx
 
 
-BN_SHAPES = [(4, 5, 6, 7), (3, 17, 9, 11), (8, 64, 33, 33), (2, 40, 1, 1)]
+BN_SHAPES = [(4, 5, 6, 7), (3, 17, 9, 11), (8, 64, 33, 33), (2, 40, 1, 1), (1, 8, 5, 3)]
 # float32: no more than twice eager PyTorch's own error against float64, plus
 # this floor; 16-bit outputs: their rounding
 FLOOR = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -327,3 +327,10 @@ def test_fused_kernels_run_and_eval_falls_back():
     ours.eval(), theirs.eval()
     with torch.no_grad():
         testing.assert_bits_equal(ours(x), theirs(x), "eval")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_value_per_channel_is_refused_as_pytorch_does(device):
+    m = ct.BatchNormAct2d(3).to(device)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+        m(torch.randn(1, 3, 1, 1, device=device))
