@@ -104,55 +104,50 @@ def splits(device: int, n: int, channels: int) -> int:
     return int(max(1, min(want, -(-per_channel // 2048), 65535)))
 
 
-def _launch_one(
-    device,
-    dtype,
-    name,
-    grid,
-    stream,
-    b: Buffers,
-    n,
-    inner,
-    channels,
-    nsplit,
-    momentum,
-    eps,
-    slope,
-    threads=THREADS,
-) -> None:
-    k = _kernel(device, dtype, name)
-    s = _scratch
-    _PARAMS.pack_into(s.buf, 0, *b, n, inner, channels, nsplit, momentum, eps, slope, 0)
-    _launch.run(k.ptr, k.ctx, grid, threads, stream, s.argv_ptr)
+class Shape(NamedTuple):
+    """What one call's launches depend on: computed once per forward, kept for
+    its backward (``splits`` sizes the caller's partial-sum buffer)."""
+
+    device: int
+    dtype: str
+    act: str
+    channels_last: bool
+    n: int
+    inner: int  # H x W
+    channels: int
+    splits: int
 
 
-def _grids(device, n, channels, cl, nsplit):
-    reduce_grid = (nsplit, -(-channels // 32) if cl else channels)
-    blocks = min(-(-n // THREADS), 32 * _sm_count(device))
-    return reduce_grid, (max(blocks, 1), 1), (-(-channels // THREADS), 1)
+def shape(device: int, dtype: str, act: str, channels_last: bool, n, inner, channels) -> Shape:
+    return Shape(device, dtype, act, channels_last, n, inner, channels, splits(device, n, channels))
 
 
-def forward(
-    device, dtype, act, channels_last, n, inner, channels, stream, b: Buffers, momentum, eps, slope
-) -> None:
+def _run(s: Shape, kernel: str, stream: int, b: Buffers, momentum, eps, slope) -> None:
+    """One kernel of the three a pass launches: "reduce<P>", "finalize_*" or the
+    elementwise "forward" / "backward", on its grid."""
+    if kernel.startswith("finalize"):
+        name, grid = f"cupy_act::bn_{kernel}", (-(-s.channels // THREADS), 1)
+    else:
+        t, cl = CTYPES[s.dtype], "true" if s.channels_last else "false"
+        if kernel.startswith("reduce"):
+            name = f"cupy_act::bn_reduce<{t}, {cl}, {kernel[-1]}, {ACTS[s.act]}>"
+            grid = (s.splits, -(-s.channels // 32) if s.channels_last else s.channels)
+        else:
+            name = f"cupy_act::bn_{kernel}<{t}, {cl}, {ACTS[s.act]}>"
+            grid = (max(1, min(-(-s.n // THREADS), 32 * _sm_count(s.device))), 1)
+    k = _kernel(s.device, s.dtype, name)
+    scalars = (s.n, s.inner, s.channels, s.splits, momentum, eps, slope, 0)
+    _PARAMS.pack_into(_scratch.buf, 0, *b, *scalars)
+    _launch.run(k.ptr, k.ctx, grid, THREADS, stream, _scratch.argv_ptr)
+
+
+def forward(s: Shape, stream: int, b: Buffers, momentum: float, eps: float, slope: float) -> None:
     """Statistics, running statistics (where b.running_mean), then y and the mask."""
-    t, cl, a = CTYPES[dtype], "true" if channels_last else "false", ACTS[act]
-    nsplit = splits(device, n, channels)
-    red, elem, per_c = _grids(device, n, channels, channels_last, nsplit)
-    args = (n, inner, channels, nsplit, momentum, eps, slope)
-    _launch_one(device, dtype, f"cupy_act::bn_reduce<{t}, {cl}, 0, {a}>", red, stream, b, *args)
-    _launch_one(device, dtype, "cupy_act::bn_finalize_stats", per_c, stream, b, *args)
-    _launch_one(device, dtype, f"cupy_act::bn_forward<{t}, {cl}, {a}>", elem, stream, b, *args)
+    for kernel in ("reduce0", "finalize_stats", "forward"):
+        _run(s, kernel, stream, b, momentum, eps, slope)
 
 
-def backward(
-    device, dtype, act, channels_last, n, inner, channels, stream, b: Buffers, slope
-) -> None:
+def backward(s: Shape, stream: int, b: Buffers, slope: float) -> None:
     """Weight and bias gradients (where given), then dx into b.y."""
-    t, cl, a = CTYPES[dtype], "true" if channels_last else "false", ACTS[act]
-    nsplit = splits(device, n, channels)
-    red, elem, per_c = _grids(device, n, channels, channels_last, nsplit)
-    args = (n, inner, channels, nsplit, 0.0, 0.0, slope)
-    _launch_one(device, dtype, f"cupy_act::bn_reduce<{t}, {cl}, 1, {a}>", red, stream, b, *args)
-    _launch_one(device, dtype, "cupy_act::bn_finalize_grad", per_c, stream, b, *args)
-    _launch_one(device, dtype, f"cupy_act::bn_backward<{t}, {cl}, {a}>", elem, stream, b, *args)
+    for kernel in ("reduce1", "finalize_grad", "backward"):
+        _run(s, kernel, stream, b, 0.0, 0.0, slope)

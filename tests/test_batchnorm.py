@@ -240,6 +240,35 @@ def test_fuse_timm_cspdarknet53(monkeypatch):
 # ---- the fused CUDA kernels: NVRTC (no GPU needed), then accuracy and determinism ----
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("act", ["relu", "leaky_relu", "identity"])
+def test_launch_plan(act, channels_last, monkeypatch):
+    """Each pass launches three compiled instantiations; the reduction's grid is
+    as wide as the partial buffer the caller sized from ``Shape.splits``."""
+    from types import SimpleNamespace
+
+    from cupy_act import _batchnorm
+
+    launched = []
+    monkeypatch.setitem(_batchnorm._sms, 0, 132)
+    monkeypatch.setattr(
+        _batchnorm, "_kernel", lambda d, t, name: SimpleNamespace(ptr=name, ctx=0, function=None)
+    )
+    monkeypatch.setattr(
+        _batchnorm._launch, "run", lambda ptr, ctx, grid, threads, *a: launched.append((ptr, grid))
+    )
+    s = _batchnorm.shape(0, "bfloat16", act, channels_last, 32 * 48 * 64 * 64, 64 * 64, 48)
+    buffers = _batchnorm.Buffers(*range(14))
+    _batchnorm.forward(s, 0, buffers, 0.1, 1e-5, 0.01)
+    _batchnorm.backward(s, 0, buffers, 0.01)
+    names = set(_batchnorm.all_kernel_names())
+    assert [name in names for name, _ in launched] == [True] * 6, launched
+    assert "bn_reduce" in launched[0][0] and "bn_reduce" in launched[3][0]
+    blocks = -(-48 // 32) if channels_last else 48
+    assert launched[0][1] == launched[3][1] == (s.splits, blocks)
+    assert 1 < s.splits * 2048 <= 32 * 64 * 64 + 2048  # each block's share >= 2048 elements
+
+
 @pytest.mark.parametrize("arch", [80, 90])
 def test_kernels_compile_with_nvrtc(arch):
     """Every instantiation compiles, takes the parameter block the host packs,

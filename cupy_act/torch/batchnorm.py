@@ -184,51 +184,44 @@ class FusedBatchNormAct(torch.autograd.Function):
         cl = not x.is_contiguous() and _impl.is_channels_last(x)
         n, c = x.numel(), x.shape[1]
         dev = x.device
+        inner = x.shape[2] * x.shape[3]
+        s = _bn.shape(dev.index, _impl.DTYPE_NAMES[x.dtype], act, cl, n, inner, c)
         y = torch.empty_like(x)
         words = -(-n // 32)
         mask = None if act == "identity" else torch.empty(words, dtype=torch.int32, device=dev)
         mean = torch.empty(c, dtype=torch.float32, device=dev)
         invstd = torch.empty_like(mean)
-        nsplit = _bn.splits(dev.index, n, c)
-        partial = torch.empty(c * nsplit * 2, dtype=torch.float64, device=dev)
+        partial = torch.empty(c * s.splits * 2, dtype=torch.float64, device=dev)
         buffers = _bn.Buffers(
             x.data_ptr(), 0, y.data_ptr(), _ptr(mask), _ptr(weight), _ptr(bias),
             mean.data_ptr(), invstd.data_ptr(), partial.data_ptr(),
             _ptr(running_mean), _ptr(running_var), 0, 0, 0,
         )  # fmt: skip
-        stream = torch.cuda.current_stream(dev).cuda_stream
-        inner = x.shape[2] * x.shape[3]
-        dtype = str(x.dtype).removeprefix("torch.")
-        _bn.forward(dev.index, dtype, act, cl, n, inner, c, stream, buffers, factor, eps, slope)
+        _bn.forward(s, torch.cuda.current_stream(dev).cuda_stream, buffers, factor, eps, slope)
         ctx.save_for_backward(x, weight, mean, invstd, mask)
-        ctx.args = (act, slope, cl)
+        ctx.args = (s, slope)
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gy):
         x, weight, mean, invstd, mask = ctx.saved_tensors
-        act, slope, cl = ctx.args
-        fmt = torch.channels_last if cl else torch.contiguous_format
+        s, slope = ctx.args
+        fmt = torch.channels_last if s.channels_last else torch.contiguous_format
         gy = gy.contiguous(memory_format=fmt)
-        n, c = x.numel(), x.shape[1]
-        dev = x.device
+        dev, c = x.device, s.channels
         dx = torch.empty_like(x)
         need_w, need_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         gw = torch.empty(c, dtype=torch.float32, device=dev) if need_w else None
         gb = torch.empty(c, dtype=torch.float32, device=dev) if need_b else None
         coef = torch.empty(2 * c, dtype=torch.float32, device=dev)
-        nsplit = _bn.splits(dev.index, n, c)
-        partial = torch.empty(c * nsplit * 2, dtype=torch.float64, device=dev)
+        partial = torch.empty(c * s.splits * 2, dtype=torch.float64, device=dev)
         buffers = _bn.Buffers(
             x.data_ptr(), gy.data_ptr(), dx.data_ptr(), _ptr(mask), _ptr(weight), 0,
             mean.data_ptr(), invstd.data_ptr(), partial.data_ptr(), 0, 0,
             _ptr(gw), _ptr(gb), coef.data_ptr(),
         )  # fmt: skip
-        stream = torch.cuda.current_stream(dev).cuda_stream
-        inner = x.shape[2] * x.shape[3]
-        dtype = str(x.dtype).removeprefix("torch.")
-        _bn.backward(dev.index, dtype, act, cl, n, inner, c, stream, buffers, slope)
+        _bn.backward(s, torch.cuda.current_stream(dev).cuda_stream, buffers, slope)
         return dx, gw, gb, None, None, None, None, None, None
 
 
