@@ -1,56 +1,99 @@
-// batchnorm.cu: training BatchNorm (2-D, per-channel statistics over N x H x W)
-// fused with an activation and its 1-bit mask.
+// batchnorm.cu: BatchNorm (2-D, per-channel statistics over N x H x W) fused
+// with an activation and its 1-bit mask.
 //
-//   forward:  bn_reduce<T, CL, kStats>   partial sums of x and x^2 per (channel, split)
-//             bn_finalize_stats          mean, invstd, running statistics per channel
-//             bn_forward<T, CL, A>       y = act((x - mean) * invstd * w + b), mask
-//   backward: bn_reduce<T, CL, kGrad, A> partial sums of dz and dz * xhat, where
-//                                        dz = act'(mask) * dy, xhat = (x - mean) * invstd
-//             bn_finalize_grad           grad_bias = sum dz, grad_weight = sum dz * xhat
-//             bn_backward<T, CL, A>      dx = (dz - mean(dz) - xhat * mean(dz xhat)) * invstd * w
+//   training forward:  bn_reduce<T, CL, V, kStats>  partial sums of x and x^2 per (channel, split)
+//                      bn_finalize_stats            (a block per channel) mean, invstd,
+//                                                   running statistics, coef
+//                      bn_forward<T, CL, V, A>      y = act((x - mean) * invstd * w + b), mask
+//   eval forward:      bn_finalize_stats (kEval: from the running statistics), bn_forward
+//   backward:          bn_reduce<T, CL, V, kGrad, A>  partial sums of dz and dz * xhat, where
+//                                                    dz = act'(mask) * dy, xhat = (x - mean) * invstd
+//                      bn_finalize_grad             grad_bias = sum dz, grad_weight = sum dz * xhat, coef
+//                      bn_backward<T, CL, V, A, Out> dx = (dz - mean(dz) - xhat * mean(dz xhat)) * invstd * w
+//
+// From the output (kFromOutput, the in-place mode: the forward wrote y over x
+// and the backward has only y): z = act^-1(y) (identity, or LeakyReLU with a
+// positive slope: z = y / slope where y <= 0), the activation's bit is y > 0,
+// and xhat = (z - b) / w inverts the affine transform. w = 0 loses xhat: that
+// channel's grad_weight comes out NaN (its dx is 0, as it should be).
 //
 // Layout: CL = false is NCHW (channel of element i: (i / HW) % C), CL = true
-// channels-last (i % C). The mask has bit i % 32 of word i / 32 for element i
-// in memory order. Statistics accumulate in double (one pass, no cancellation
-// worth the name at float32 inputs) and are reduced in a fixed order: the
-// same inputs give the same bits on every run. Accuracy, not bit equality,
-// with PyTorch's kernels (whose reduction order is theirs).
+// channels-last (i % C). V elements per thread and trip: 16 / sizeof(T) (one
+// 16-byte vector; the host picks it where HW (NCHW) or C (channels-last) is a
+// multiple of V and the pointers are 16-byte aligned, so a vector never
+// straddles a channel boundary (NCHW) or holds V consecutive channels
+// (channels-last)), else 1. Channels come from quot() (vectors.cuh), never a
+// 64-bit division. The mask has bit i % 32 of word i / 32 for element i in
+// memory order (elementwise.cu's format).
+//
+// Statistics accumulate in double and are reduced in a fixed order: the same
+// inputs give the same bits on every run. Accuracy, not bit equality, with
+// PyTorch's kernels (whose reduction order is theirs).
 #include "numerics.cuh"
+#include "vectors.cuh"
 
 namespace cupy_act {
 
 constexpr int kBnThreads = 256;
 enum BnAct { kIdentity = 0, kRelu = 1, kLeaky = 2 };
-enum BnPass { kStats = 0, kGrad = 1 };
+enum BnPass { kStats = 0, kGrad = 1, kGradFromOutput = 2 };
+enum BnFlags { kEval = 1, kFromOutput = 2 };
 
 struct BnParams {
-  const void* x;          // input of the forward
+  const void* x;          // forward: input; backward: the forward's input, or its output (kFromOutput)
   const void* dy;         // backward: upstream gradient
-  void* y;                // forward: y; backward: dx
-  u32* mask;              // 1 bit per element (null for the identity)
+  void* y;                // forward: y (x itself in the in-place mode); backward: dx
+  u32* mask;              // 1 bit per element; null: none written (identity, in-place, no gradient)
   const float* weight;    // [C] or null (1)
   const float* bias;      // [C] or null (0)
-  float* mean;            // [C] batch mean (written forward, read backward)
-  float* invstd;          // [C] 1 / sqrt(biased var + eps)
+  float* mean;            // [C] batch (or running) mean: written forward, read backward
+  float* invstd;          // [C] 1 / sqrt(var + eps)
   double* partial;        // [C][splits][2]
-  float* running_mean;    // [C] or null
+  float* running_mean;    // [C] or null: updated by a training forward
   float* running_var;     // [C] or null
   float* grad_weight;     // [C] or null
   float* grad_bias;       // [C] or null
-  float* coef;            // [C][2]: mean(dz), mean(dz * xhat)
+  float4* coef;           // [C] the elementwise pass's per-channel constants
   long long n;            // elements
   long long inner;        // H x W
   long long channels;
   long long splits;       // partial sums per channel
   double momentum;        // the running statistics' factor (PyTorch's exponential_average_factor)
   double eps;
+  double inv_inner;       // 1 / inner and 1 / channels, for quot()
+  double inv_channels;
   float slope;            // LeakyReLU's negative slope
-  int pad;
+  int flags;              // BnFlags
 };
 
-template <typename T>
-__device__ __forceinline__ float bn_load(const void* p, long long i) {
-  return Num<T>::to_op(static_cast<const T*>(p)[i]);
+template <bool CL>
+__device__ __forceinline__ long long bn_channel(long long i, const BnParams& p) {
+  const long long q = CL ? i : quot(i, p.inner, p.inv_inner);
+  return q - quot(q, p.channels, p.inv_channels) * p.channels;
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void bn_load(const void* p, long long i, float (&f)[V]) {
+  if constexpr (V == 1) {
+    f[0] = Num<T>::to_op(static_cast<const T*>(p)[i]);
+  } else {
+    Pack<T> v;
+    v.raw = load16(static_cast<const T*>(p) + i);
+#pragma unroll
+    for (int j = 0; j < V; ++j) f[j] = Num<T>::to_op(v.e[j]);
+  }
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void bn_store(void* p, long long i, const float (&f)[V]) {
+  if constexpr (V == 1) {
+    static_cast<T*>(p)[i] = Num<T>::from_op(f[0]);
+  } else {
+    Pack<T> v;
+#pragma unroll
+    for (int j = 0; j < V; ++j) v.e[j] = Num<T>::from_op(f[j]);
+    store16(static_cast<T*>(p) + i, v.raw);
+  }
 }
 
 // The activation's bit: set where its forward is the identity (relu: also NaN).
@@ -73,157 +116,326 @@ __device__ __forceinline__ float bn_act_grad(float dy, bool bit, float slope) {
   return bit ? dy : dy * slope;
 }
 
-__device__ __forceinline__ bool bn_mask_bit(const u32* mask, long long i) {
-  return (mask[i >> 5] >> (i & 31)) & 1u;
+// From the output (identity, or LeakyReLU with slope > 0): y > 0 exactly where
+// t > 0, and t = y / slope elsewhere.
+template <int A>
+__device__ __forceinline__ float bn_unact(float y, float slope) {
+  return (A == kLeaky && !(y > 0.f)) ? __fdiv_rn(y, slope) : y;
 }
 
-// Element offset of the j-th element of channel c (j over N x HW).
-template <bool CL>
-__device__ __forceinline__ long long bn_offset(long long j, long long c, const BnParams& p) {
-  if (CL) return j * p.channels + c;
-  const long long img = j / p.inner;
-  return (img * p.channels + c) * p.inner + (j - img * p.inner);
+// The V mask bits of the vector at element i (i % V == 0, so one word holds them).
+template <int A>
+__device__ __forceinline__ u32 bn_bits(const BnParams& p, long long i) {
+  return A == kIdentity ? ~0u : p.mask[i >> 5] >> (i & 31);
 }
 
-// One (channel block, split) per block. NCHW: blockIdx.y is the channel, the
-// block's threads walk its elements. Channels-last: 32 channels per block
-// (threadIdx.x % 32), 8 rows at a time (threadIdx.x / 32), so a warp reads 32
-// neighbouring channels of one row. Partial sums are reduced in shared memory
-// in a fixed order.
-template <typename T, bool CL, int P, int A>
-__global__ void __launch_bounds__(kBnThreads) bn_reduce(const BnParams p) {
+// The reduction's value pair for one element: x and x^2 (kStats), or dz and
+// dz * xhat, with xhat = (v - ctr) * scl (kGrad: v = x, ctr = mean, scl =
+// invstd; kGradFromOutput: v = act^-1(y), ctr = b, scl = 1 / w).
+template <int P, int A>
+__device__ __forceinline__ void bn_term(float v, float dy, bool bit, float ctr, float scl,
+                                        float slope, double& a, double& b) {
+  if (P == kStats) {
+    a += v;
+    b += (double)v * v;
+    return;
+  }
+  if (P == kGradFromOutput) {
+    bit = A == kIdentity || v > 0.f;
+    v = bn_unact<A>(v, slope);
+  }
+  const float dz = bn_act_grad<A>(dy, bit, slope);
+  a += dz;
+  b += (double)(dz * ((v - ctr) * scl));
+}
+
+template <int P>
+__device__ __forceinline__ void bn_center(const BnParams& p, long long c, float& ctr, float& scl) {
+  ctr = scl = 0.f;
+  if (P == kGrad) {
+    ctr = p.mean[c];
+    scl = p.invstd[c];
+  } else if (P == kGradFromOutput) {
+    ctr = p.bias != nullptr ? p.bias[c] : 0.f;
+    scl = 1.f / (p.weight != nullptr ? p.weight[c] : 1.f);
+  }
+}
+
+// The V elements of one vector into the accumulators (a, b: one pair per
+// element's channel, or all into [0] when the vector is one channel's).
+template <typename T, int V, int P, int A, int K>
+__device__ __forceinline__ void bn_accumulate(const BnParams& p, long long i,
+                                              const float (&ctr)[K], const float (&scl)[K],
+                                              double (&a)[K], double (&b)[K]) {
+  float v[V], d[V] = {};
+  bn_load<T, V>(p.x, i, v);
+  u32 bits = ~0u;
+  if (P != kStats) bn_load<T, V>(p.dy, i, d);
+  if (P == kGrad) bits = bn_bits<A>(p, i);
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const int k = K == 1 ? 0 : j;
+    bn_term<P, A>(v[j], d[j], (bits >> j) & 1u, ctr[k], scl[k], p.slope, a[k], b[k]);
+  }
+}
+
+// NCHW: block (split, channel); the block's threads walk the channel's N planes
+// a vector at a time, then one fixed-order tree.
+template <typename T, int V, int P, int A>
+__device__ __forceinline__ void bn_reduce_planes(const BnParams& p) {
   __shared__ double s1[kBnThreads], s2[kBnThreads];
-  const long long per_channel = p.n / p.channels;
-  const int lanes = CL ? 32 : kBnThreads;  // threads across channels' elements
-  const int rows = kBnThreads / lanes;
-  const long long c = CL ? (long long)blockIdx.y * 32 + (threadIdx.x % 32) : blockIdx.y;
-  const int r = CL ? threadIdx.x / 32 : threadIdx.x;
-  const int step_threads = CL ? rows : kBnThreads;
-  double a = 0.0, b = 0.0;
-  if (c < p.channels) {
-    float mean = 0.f, invstd = 0.f;
-    if (P == kGrad) mean = p.mean[c], invstd = p.invstd[c];
-    const long long stride = (long long)step_threads * gridDim.x;
-    for (long long j = (long long)blockIdx.x * step_threads + r; j < per_channel; j += stride) {
-      const long long i = bn_offset<CL>(j, c, p);
-      const float x = bn_load<T>(p.x, i);
-      if (P == kStats) {
-        a += x;
-        b += (double)x * x;
-      } else {
-        const bool bit = A == kIdentity ? true : bn_mask_bit(p.mask, i);
-        const float dz = bn_act_grad<A>(bn_load<T>(p.dy, i), bit, p.slope);
-        const float xhat = (x - mean) * invstd;
-        a += dz;
-        b += (double)dz * xhat;
+  const long long c = blockIdx.y;
+  float ctr[1], scl[1];
+  bn_center<P>(p, c, ctr[0], scl[0]);
+  double a[1] = {0.0}, b[1] = {0.0};
+  const long long vectors = p.n / p.channels / V;
+  const long long stride = (long long)gridDim.x * kBnThreads;
+  for (long long k = (long long)blockIdx.x * kBnThreads + threadIdx.x; k < vectors; k += stride) {
+    const long long j = k * V;
+    const long long img = quot(j, p.inner, p.inv_inner);
+    const long long i = (img * p.channels + c) * p.inner + (j - img * p.inner);
+    bn_accumulate<T, V, P, A, 1>(p, i, ctr, scl, a, b);
+  }
+  s1[threadIdx.x] = a[0];
+  s2[threadIdx.x] = b[0];
+  __syncthreads();
+  for (int h = kBnThreads / 2; h > 0; h /= 2) {
+    if (threadIdx.x < h) {
+      s1[threadIdx.x] += s1[threadIdx.x + h];
+      s2[threadIdx.x] += s2[threadIdx.x + h];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    double* out = p.partial + (c * p.splits + blockIdx.x) * 2;
+    out[0] = s1[0];
+    out[1] = s2[0];
+  }
+}
+
+// Channels-last: a block holds a tile of W = min(C / V, 32) vector columns
+// (V consecutive channels each, blockIdx.y the tile) by R = 256 / W rows, so
+// a warp reads whole stretches of rows; its threads walk rows split by split,
+// then a fixed-order tree over the R rows.
+template <typename T, int V, int P, int A>
+__device__ __forceinline__ void bn_reduce_rows(const BnParams& p) {
+  __shared__ double s[2][V][kBnThreads];
+  const long long cols = p.channels / V;
+  const int w = (int)(cols < 32 ? cols : 32);
+  const int rows_per_block = kBnThreads / w;
+  const int tc = threadIdx.x % w, tr = threadIdx.x / w;
+  const long long col = (long long)blockIdx.y * w + tc;
+  const bool active = tr < rows_per_block && col < cols;
+  double a[V], b[V];
+  float ctr[V], scl[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    a[j] = b[j] = 0.0;
+    if (active) bn_center<P>(p, col * V + j, ctr[j], scl[j]);
+  }
+  if (active) {
+    const long long rows = p.n / p.channels;
+    const long long stride = (long long)gridDim.x * rows_per_block;
+    for (long long r = (long long)blockIdx.x * rows_per_block + tr; r < rows; r += stride)
+      bn_accumulate<T, V, P, A, V>(p, r * p.channels + col * V, ctr, scl, a, b);
+  }
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    s[0][j][threadIdx.x] = a[j];
+    s[1][j][threadIdx.x] = b[j];
+  }
+  __syncthreads();
+  int h = 1;
+  while (h < rows_per_block) h *= 2;
+  for (h /= 2; h > 0; h /= 2) {
+    if (tr < h && tr + h < rows_per_block && col < cols) {
+      const int other = threadIdx.x + h * w;
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        s[0][j][threadIdx.x] += s[0][j][other];
+        s[1][j][threadIdx.x] += s[1][j][other];
       }
     }
+    __syncthreads();
+  }
+  if (tr == 0 && col < cols) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      double* out = p.partial + ((col * V + j) * p.splits + blockIdx.x) * 2;
+      out[0] = s[0][j][threadIdx.x];
+      out[1] = s[1][j][threadIdx.x];
+    }
+  }
+}
+
+template <typename T, bool CL, int V, int P, int A>
+__global__ void __launch_bounds__(kBnThreads) bn_reduce(const BnParams p) {
+  if constexpr (CL)
+    bn_reduce_rows<T, V, P, A>(p);
+  else
+    bn_reduce_planes<T, V, P, A>(p);
+}
+
+// Per channel, one block: the splits' partial sums, thread t taking splits t,
+// t + 256, ... in order, then a fixed-order tree; the totals land in thread 0
+// (with thousands of splits, one thread's dependent loads would take longer
+// than the reduction itself).
+__device__ __forceinline__ void bn_sum_partials(const BnParams& p, long long c, double& a,
+                                                double& b) {
+  __shared__ double s1[kBnThreads], s2[kBnThreads];
+  a = 0.0;
+  b = 0.0;
+  for (long long s = threadIdx.x; s < p.splits; s += kBnThreads) {
+    a += p.partial[(c * p.splits + s) * 2];
+    b += p.partial[(c * p.splits + s) * 2 + 1];
   }
   s1[threadIdx.x] = a;
   s2[threadIdx.x] = b;
   __syncthreads();
-  // tree over the row index (CL) or over all threads (NCHW), fixed order
-  const int span = CL ? rows : kBnThreads;
-  for (int h = span / 2; h > 0; h /= 2) {
-    const int rr = CL ? threadIdx.x / 32 : threadIdx.x;
-    if (rr < h) {
-      const int other = threadIdx.x + (CL ? h * 32 : h);
-      s1[threadIdx.x] += s1[other];
-      s2[threadIdx.x] += s2[other];
+  for (int h = kBnThreads / 2; h > 0; h /= 2) {
+    if (threadIdx.x < h) {
+      s1[threadIdx.x] += s1[threadIdx.x + h];
+      s2[threadIdx.x] += s2[threadIdx.x + h];
     }
     __syncthreads();
   }
-  if ((CL ? threadIdx.x < 32 : threadIdx.x == 0) && c < p.channels) {
-    double* out = p.partial + (c * p.splits + blockIdx.x) * 2;
-    out[0] = s1[threadIdx.x];
-    out[1] = s2[threadIdx.x];
-  }
+  a = s1[0];
+  b = s2[0];
 }
 
-// Per channel, one thread: the splits' partial sums in order.
-__device__ __forceinline__ void bn_sum_partials(const BnParams& p, long long c, double& a,
-                                                double& b) {
-  a = 0.0;
-  b = 0.0;
-  for (long long s = 0; s < p.splits; ++s) {
-    a += p.partial[(c * p.splits + s) * 2];
-    b += p.partial[(c * p.splits + s) * 2 + 1];
-  }
+__device__ __forceinline__ float bn_weight(const BnParams& p, long long c) {
+  return p.weight != nullptr ? p.weight[c] : 1.f;
+}
+__device__ __forceinline__ float bn_bias(const BnParams& p, long long c) {
+  return p.bias != nullptr ? p.bias[c] : 0.f;
 }
 
-__global__ void bn_finalize_stats(const BnParams p) {
-  const long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= p.channels) return;
-  double sum, sumsq;
-  bn_sum_partials(p, c, sum, sumsq);
-  const double count = (double)(p.n / p.channels);
-  const double mean = sum / count;
-  double var = sumsq / count - mean * mean;  // biased: what normalizes
-  if (var < 0.0) var = 0.0;
+// mean and invstd (from the partial sums, or kEval: the running statistics),
+// the running statistics' update, and coef = (mean, invstd * w, b) for bn_forward.
+__global__ void __launch_bounds__(kBnThreads) bn_finalize_stats(const BnParams p) {
+  const long long c = blockIdx.x;
+  double mean, var;
+  if (p.flags & kEval) {
+    if (threadIdx.x != 0) return;
+    mean = p.running_mean[c];
+    var = p.running_var[c];
+  } else {
+    double sum, sumsq;
+    bn_sum_partials(p, c, sum, sumsq);
+    if (threadIdx.x != 0) return;
+    const double count = (double)(p.n / p.channels);
+    mean = sum / count;
+    var = sumsq / count - mean * mean;  // biased: what normalizes
+    if (var < 0.0) var = 0.0;
+    if (p.running_mean != nullptr) {
+      const double m = p.momentum;
+      p.running_mean[c] = (float)((1.0 - m) * p.running_mean[c] + m * mean);
+      // unbiased, as PyTorch keeps it (callers refuse a single value per channel)
+      p.running_var[c] = (float)((1.0 - m) * p.running_var[c] + m * var * count / (count - 1.0));
+    }
+  }
+  const float invstd = (float)(1.0 / sqrt(var + p.eps));
   p.mean[c] = (float)mean;
-  p.invstd[c] = (float)(1.0 / sqrt(var + p.eps));
-  if (p.running_mean != nullptr) {
-    const double m = p.momentum;
-    p.running_mean[c] = (float)((1.0 - m) * p.running_mean[c] + m * mean);
-    // unbiased, as PyTorch keeps it (callers refuse a single value per channel)
-    p.running_var[c] = (float)((1.0 - m) * p.running_var[c] + m * var * count / (count - 1.0));
-  }
+  p.invstd[c] = invstd;
+  p.coef[c] = make_float4((float)mean, invstd * bn_weight(p, c), bn_bias(p, c), 0.f);
 }
 
-__global__ void bn_finalize_grad(const BnParams p) {
-  const long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= p.channels) return;
+// grad_bias = sum dz, grad_weight = sum dz * xhat, and coef = (ctr, k, g, h) for
+// bn_backward's dx = k * dz - (v - ctr) * g - h, with k = invstd * w and
+//   from x:      ctr = mean, g = invstd * mean(dz xhat) * k, h = mean(dz) * k
+//   from output: ctr = b,    g = invstd * mean(dz xhat),     h = mean(dz) * k
+// (xhat = (v - ctr) * invstd, or (v - ctr) / w); kEval: g = h = 0, the running
+// statistics being constants.
+__global__ void __launch_bounds__(kBnThreads) bn_finalize_grad(const BnParams p) {
+  const long long c = blockIdx.x;
   double sum_dz, sum_dzx;
   bn_sum_partials(p, c, sum_dz, sum_dzx);
-  const double count = (double)(p.n / p.channels);
+  if (threadIdx.x != 0) return;
   if (p.grad_bias != nullptr) p.grad_bias[c] = (float)sum_dz;
   if (p.grad_weight != nullptr) p.grad_weight[c] = (float)sum_dzx;
-  p.coef[2 * c] = (float)(sum_dz / count);
-  p.coef[2 * c + 1] = (float)(sum_dzx / count);
+  const bool out = p.flags & kFromOutput;
+  const double invstd = p.invstd[c], k = invstd * bn_weight(p, c);
+  const float ctr = out ? bn_bias(p, c) : p.mean[c];
+  double g = 0.0, h = 0.0;
+  // (w = 0 from the output: xhat is lost and sum dz * xhat NaN, but dx = k * (...)
+  // is 0; g = 0 keeps it so)
+  if (!(p.flags & kEval) && !(out && k == 0.0)) {
+    const double count = (double)(p.n / p.channels);
+    g = invstd * (sum_dzx / count) * (out ? 1.0 : k);
+    h = (sum_dz / count) * k;
+  }
+  p.coef[c] = make_float4(ctr, (float)k, (float)g, (float)h);
 }
 
-template <bool CL>
-__device__ __forceinline__ long long bn_channel(long long i, const BnParams& p) {
-  return CL ? i % p.channels : (i / p.inner) % p.channels;
-}
-
-// Each warp takes 32 consecutive elements per trip: one ballot is one mask word.
-template <typename T, bool CL, int A>
+// Each warp takes 32 consecutive vectors per trip; the G = 32 / V lanes that
+// share a mask word OR their V bits together (V = 1: one ballot).
+template <typename T, bool CL, int V, int A>
 __global__ void __launch_bounds__(kBnThreads) bn_forward(const BnParams p) {
+  constexpr int G = 32 / V;
   const int lane = threadIdx.x & 31;
   const long long warp = ((long long)blockIdx.x * kBnThreads + threadIdx.x) >> 5;
   const long long warps = ((long long)gridDim.x * kBnThreads) >> 5;
-  for (long long base = warp * 32; base < p.n; base += warps * 32) {
-    const long long i = base + lane;
-    bool bit = false;
-    if (i < p.n) {
+  const long long vectors = p.n / V;
+  const bool masked = A != kIdentity && p.mask != nullptr;
+  for (long long base = warp * 32; base < vectors; base += warps * 32) {
+    const long long k = base + lane;
+    u32 bits = 0;
+    if (k < vectors) {
+      const long long i = k * V;
       const long long c = bn_channel<CL>(i, p);
-      const float w = p.weight != nullptr ? p.weight[c] : 1.f;
-      const float b = p.bias != nullptr ? p.bias[c] : 0.f;
-      const float t = (bn_load<T>(p.x, i) - p.mean[c]) * p.invstd[c] * w + b;
-      bit = bn_bit<A>(t);
-      static_cast<T*>(p.y)[i] = Num<T>::from_op(bn_act<A>(t, p.slope));
+      float v[V];
+      bn_load<T, V>(p.x, i, v);
+      float4 q = p.coef[c];
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        if (CL && j > 0) q = p.coef[c + j];
+        const float t = (v[j] - q.x) * q.y + q.z;
+        bits |= (u32)bn_bit<A>(t) << j;
+        v[j] = bn_act<A>(t, p.slope);
+      }
+      bn_store<T, V>(p.y, i, v);
     }
-    if (A != kIdentity) {
-      const u32 word = __ballot_sync(0xffffffffu, bit);
-      if (lane == 0) p.mask[base >> 5] = word;
+    if (masked) {
+      if constexpr (V == 1) {
+        const u32 word = __ballot_sync(0xffffffffu, bits);
+        if (lane == 0) p.mask[base >> 5] = word;
+      } else {
+        bits <<= (lane % G) * V;
+#pragma unroll
+        for (int o = 1; o < G; o *= 2) bits |= __shfl_xor_sync(0xffffffffu, bits, o);
+        if (lane % G == 0 && k < vectors) p.mask[k / G] = bits;
+      }
     }
   }
 }
 
-template <typename T, bool CL, int A>
+template <typename T, bool CL, int V, int A, bool Out>
 __global__ void __launch_bounds__(kBnThreads) bn_backward(const BnParams p) {
-  const long long start = (long long)blockIdx.x * kBnThreads + threadIdx.x;
+  const long long vectors = p.n / V;
   const long long stride = (long long)gridDim.x * kBnThreads;
-  for (long long i = start; i < p.n; i += stride) {
+  const bool eval = p.flags & kEval;
+  for (long long k = (long long)blockIdx.x * kBnThreads + threadIdx.x; k < vectors; k += stride) {
+    const long long i = k * V;
     const long long c = bn_channel<CL>(i, p);
-    const bool bit = A == kIdentity ? true : bn_mask_bit(p.mask, i);
-    const float dz = bn_act_grad<A>(bn_load<T>(p.dy, i), bit, p.slope);
-    const float invstd = p.invstd[c];
-    const float xhat = (bn_load<T>(p.x, i) - p.mean[c]) * invstd;
-    const float w = p.weight != nullptr ? p.weight[c] : 1.f;
-    const float dx = (dz - p.coef[2 * c] - xhat * p.coef[2 * c + 1]) * invstd * w;
-    static_cast<T*>(p.y)[i] = Num<T>::from_op(dx);
+    float v[V], d[V];
+    bn_load<T, V>(p.x, i, v);
+    bn_load<T, V>(p.dy, i, d);
+    const u32 bits = Out ? 0u : bn_bits<A>(p, i);
+    float4 q = p.coef[c];
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      if (CL && j > 0) q = p.coef[c + j];
+      bool bit = (bits >> j) & 1u;
+      float z = v[j];
+      if (Out) {
+        bit = A == kIdentity || z > 0.f;
+        z = bn_unact<A>(z, p.slope);
+      }
+      const float dz = bn_act_grad<A>(d[j], bit, p.slope);
+      // (eval: dz * k alone, so an inf input does not make 0 * inf = NaN)
+      v[j] = eval ? dz * q.y : dz * q.y - (z - q.x) * q.z - q.w;
+    }
+    bn_store<T, V>(p.y, i, v);
   }
 }
 

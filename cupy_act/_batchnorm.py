@@ -19,10 +19,16 @@ SOURCE = "batchnorm.cu"
 THREADS = 256  # kBnThreads
 DTYPES = ("float32", "float16", "bfloat16")
 ACTS = {"identity": 0, "relu": 1, "leaky_relu": 2}  # BnAct
+STATS, GRAD, GRAD_FROM_OUTPUT = 0, 1, 2  # BnPass
+EVAL, FROM_OUTPUT = 1, 2  # BnFlags
+# Elements per 16-byte vector (bn_load's V where the layout and alignment allow).
+VECTOR = {"float32": 4, "float16": 8, "bfloat16": 8}
+# Activations whose input the output determines (the in-place mode's backward).
+INVERTIBLE = ("identity", "leaky_relu")
 
-# BnParams: 14 pointers, 4 long longs, 2 doubles, a float and an int.
-_PARAMS = struct.Struct("<14Q4q2dfi")
-assert _PARAMS.size == 168
+# BnParams: 14 pointers, 4 long longs, 4 doubles, a float and an int.
+_PARAMS = struct.Struct("<14Q4q4dfi")
+assert _PARAMS.size == 184
 _scratch = _launch._Scratch(_PARAMS.size)
 
 
@@ -30,11 +36,15 @@ def _names(dtype: str) -> list[str]:
     t = CTYPES[dtype]
     names = []
     for cl in ("false", "true"):
-        for a in ACTS.values():
-            names.append(f"cupy_act::bn_reduce<{t}, {cl}, 0, {a}>")
-            names.append(f"cupy_act::bn_reduce<{t}, {cl}, 1, {a}>")
-            names.append(f"cupy_act::bn_forward<{t}, {cl}, {a}>")
-            names.append(f"cupy_act::bn_backward<{t}, {cl}, {a}>")
+        for v in (1, VECTOR[dtype]):
+            names.append(f"cupy_act::bn_reduce<{t}, {cl}, {v}, {STATS}, 0>")
+            for act, a in ACTS.items():
+                names.append(f"cupy_act::bn_reduce<{t}, {cl}, {v}, {GRAD}, {a}>")
+                names.append(f"cupy_act::bn_forward<{t}, {cl}, {v}, {a}>")
+                names.append(f"cupy_act::bn_backward<{t}, {cl}, {v}, {a}, false>")
+                if act in INVERTIBLE:
+                    names.append(f"cupy_act::bn_reduce<{t}, {cl}, {v}, {GRAD_FROM_OUTPUT}, {a}>")
+                    names.append(f"cupy_act::bn_backward<{t}, {cl}, {v}, {a}, true>")
     return names + ["cupy_act::bn_finalize_stats", "cupy_act::bn_finalize_grad"]
 
 
@@ -95,18 +105,9 @@ def _sm_count(device: int) -> int:
     return n
 
 
-def splits(device: int, n: int, channels: int) -> int:
-    """Partial sums per channel (the reduction grid's width): about 32 blocks
-    per multiprocessor over all channels, each block's share at least 2048
-    elements. The partial buffer holds channels x splits x 2 doubles."""
-    per_channel = max(1, n // max(channels, 1))
-    want = max(1, (32 * _sm_count(device)) // max(channels, 1))
-    return int(max(1, min(want, -(-per_channel // 2048), 65535)))
-
-
 class Shape(NamedTuple):
     """What one call's launches depend on: computed once per forward, kept for
-    its backward (``splits`` sizes the caller's partial-sum buffer)."""
+    its backward."""
 
     device: int
     dtype: str
@@ -115,39 +116,126 @@ class Shape(NamedTuple):
     n: int
     inner: int  # H x W
     channels: int
-    splits: int
+    vector: bool  # a 16-byte vector never straddles a channel (NCHW) / holds
+    # V consecutive channels (channels-last)
 
 
 def shape(device: int, dtype: str, act: str, channels_last: bool, n, inner, channels) -> Shape:
-    return Shape(device, dtype, act, channels_last, n, inner, channels, splits(device, n, channels))
+    v = VECTOR[dtype]
+    vector = channels % v == 0 if channels_last else inner % v == 0
+    return Shape(device, dtype, act, channels_last, n, inner, channels, vector)
 
 
-def _run(s: Shape, kernel: str, stream: int, b: Buffers, momentum, eps, slope) -> None:
-    """One kernel of the three a pass launches: "reduce<P>", "finalize_*" or the
-    elementwise "forward" / "backward", on its grid."""
-    if kernel.startswith("finalize"):
-        name, grid = f"cupy_act::bn_{kernel}", (-(-s.channels // THREADS), 1)
+class Plan(NamedTuple):
+    """One pass's launch choices: elements per thread and trip, and the
+    reduction's partial sums per channel (the caller's buffer holds
+    channels x splits x 2 doubles)."""
+
+    width: int
+    splits: int
+
+
+def plan(s: Shape, *pointers: int) -> Plan:
+    """The pass's plan: 16-byte vectors where the shape allows them and every
+    pointer given is 16-byte aligned; about 32 reduction blocks per
+    multiprocessor over all channels, each block's share at least 2048
+    elements."""
+    v = VECTOR[s.dtype] if s.vector and all(p % 16 == 0 for p in pointers) else 1
+    if s.channels_last:
+        cols = s.channels // v
+        tiles = -(-cols // min(cols, 32))
     else:
-        t, cl = CTYPES[s.dtype], "true" if s.channels_last else "false"
-        if kernel.startswith("reduce"):
-            name = f"cupy_act::bn_reduce<{t}, {cl}, {kernel[-1]}, {ACTS[s.act]}>"
-            grid = (s.splits, -(-s.channels // 32) if s.channels_last else s.channels)
+        tiles = s.channels
+    per_tile = max(1, s.n // max(tiles, 1))
+    want = max(1, (32 * _sm_count(s.device)) // max(tiles, 1))
+    return Plan(v, int(max(1, min(want, -(-per_tile // 2048), 65535))))
+
+
+_launches: dict[tuple, tuple] = {}  # (Shape, Plan, kernels) -> ((ptr, ctx, grid), ...)
+
+
+def _launch_of(s: Shape, p: Plan, kernel: str) -> tuple:
+    """(ptr, ctx, grid) of one kernel of a pass: "finalize_stats" / "finalize_grad"
+    (a block per channel), "reduce<P>" (splits x channel tiles) or the
+    elementwise "forward" / "backward" / "backward_from_output" (grid-stride)."""
+    t, cl, a = CTYPES[s.dtype], "true" if s.channels_last else "false", ACTS[s.act]
+    if kernel.startswith("finalize"):
+        name, grid = f"cupy_act::bn_{kernel}", (s.channels, 1)
+    elif kernel.startswith("reduce"):
+        pass_ = int(kernel[-1])
+        name = f"cupy_act::bn_reduce<{t}, {cl}, {p.width}, {pass_}, {a if pass_ else 0}>"
+        if s.channels_last:
+            cols = s.channels // p.width
+            grid = (p.splits, -(-cols // min(cols, 32)))
         else:
-            name = f"cupy_act::bn_{kernel}<{t}, {cl}, {ACTS[s.act]}>"
-            grid = (max(1, min(-(-s.n // THREADS), 32 * _sm_count(s.device))), 1)
+            grid = (p.splits, s.channels)
+    else:
+        if kernel == "forward":
+            name = f"cupy_act::bn_forward<{t}, {cl}, {p.width}, {a}>"
+        else:
+            out = "true" if kernel == "backward_from_output" else "false"
+            name = f"cupy_act::bn_backward<{t}, {cl}, {p.width}, {a}, {out}>"
+        blocks = -(-(s.n // p.width) // THREADS)
+        grid = (max(1, min(blocks, 16 * _sm_count(s.device))), 1)
     k = _kernel(s.device, s.dtype, name)
-    scalars = (s.n, s.inner, s.channels, s.splits, momentum, eps, slope, 0)
+    return k.ptr, k.ctx, grid
+
+
+def _run(s: Shape, p: Plan, kernels: tuple, stream: int, b: Buffers, scalars: tuple) -> None:
+    """A pass: its kernels in order, on one parameter block (the launch copies
+    it). Launch choices are kept per (shape, plan), so a model's repeated
+    layers cost a dictionary lookup."""
+    key = (s, p, kernels)
+    launches = _launches.get(key)
+    if launches is None:
+        if len(_launches) > 4096:  # (shapes that keep changing: start over)
+            _launches.clear()
+        launches = _launches[key] = tuple(_launch_of(s, p, k) for k in kernels)
     _PARAMS.pack_into(_scratch.buf, 0, *b, *scalars)
-    _launch.run(k.ptr, k.ctx, grid, THREADS, stream, _scratch.argv_ptr)
+    argv = _scratch.argv_ptr
+    for ptr, ctx, grid in launches:
+        _launch.run(ptr, ctx, grid, THREADS, stream, argv)
 
 
-def forward(s: Shape, stream: int, b: Buffers, momentum: float, eps: float, slope: float) -> None:
-    """Statistics, running statistics (where b.running_mean), then y and the mask."""
-    for kernel in ("reduce0", "finalize_stats", "forward"):
-        _run(s, kernel, stream, b, momentum, eps, slope)
+def _scalars(s: Shape, p: Plan, momentum, eps, slope, flags) -> tuple:
+    return (s.n, s.inner, s.channels, p.splits, momentum, eps, 1.0 / s.inner,
+            1.0 / s.channels, slope, flags)  # fmt: skip
 
 
-def backward(s: Shape, stream: int, b: Buffers, slope: float) -> None:
-    """Weight and bias gradients (where given), then dx into b.y."""
-    for kernel in ("reduce1", "finalize_grad", "backward"):
-        _run(s, kernel, stream, b, 0.0, 0.0, slope)
+def work_doubles(s: Shape, p: Plan) -> int:
+    """Doubles of one pass's scratch buffer: the partial sums (channels x
+    splits x 2), then coef (a float4, two doubles, per channel)."""
+    return s.channels * (2 * p.splits + 2)
+
+
+def coef_address(s: Shape, p: Plan, work: int) -> int:
+    """b.coef inside the scratch buffer at address ``work``."""
+    return work + 16 * s.channels * p.splits
+
+
+_FORWARD = ("reduce0", "finalize_stats", "forward")
+_FORWARD_EVAL = ("finalize_stats", "forward")
+
+
+def forward(s: Shape, p: Plan, stream: int, b: Buffers, momentum: float, eps: float,
+            slope: float, evaluate: bool = False) -> None:  # fmt: skip
+    """y (and the mask, where b.mask) from the batch statistics, updating the
+    running statistics where b.running_mean; ``evaluate``: from the running
+    statistics instead. b.mean, b.invstd (and b.coef) receive the statistics
+    used. b.y may be b.x (in place)."""
+    scalars = _scalars(s, p, momentum, eps, slope, EVAL if evaluate else 0)
+    _run(s, p, _FORWARD_EVAL if evaluate else _FORWARD, stream, b, scalars)
+
+
+_BACKWARD = {False: ("reduce1", "finalize_grad", "backward"),
+             True: ("reduce2", "finalize_grad", "backward_from_output")}  # fmt: skip
+
+
+def backward(s: Shape, p: Plan, stream: int, b: Buffers, slope: float, evaluate: bool = False,
+             from_output: bool = False) -> None:  # fmt: skip
+    """Weight and bias gradients (where given), then dx into b.y. ``from_output``:
+    b.x holds the forward's output (the in-place mode), b.weight and b.bias
+    its parameters; ``evaluate``: the forward normalized with the running
+    statistics."""
+    flags = (EVAL if evaluate else 0) | (FROM_OUTPUT if from_output else 0)
+    _run(s, p, _BACKWARD[from_output], stream, b, _scalars(s, p, 0.0, 0.0, slope, flags))

@@ -6,11 +6,15 @@
 Candidates, timed interleaved with CUDA events (median): PyTorch eager
 (``nn.BatchNorm2d`` then ``nn.LeakyReLU(0.01, inplace=True)``, timm's
 BatchNormAct2d), ``cupy_act.torch.BatchNormAct2d`` with the fused kernels, the
-same module without them (``batchnorm.FUSED = False``), and torch.compile of
-PyTorch's pair (Inductor's fused kernels). The floor is the fused kernels'
-traffic over the copy bandwidth measured in the same run: forward reads x
-twice (statistics, then normalization) and writes y and the 1-bit mask;
-backward reads x, dy and the mask twice (reductions, then dx) and writes dx.
+same module in the in-place mode (``memory="inplace"``: y over x, the
+backward from y), the module without the kernels (``batchnorm.FUSED =
+False``), and torch.compile of PyTorch's pair (Inductor's fused kernels).
+Forwards run with autograd recording (the weight needs a gradient), as in
+training. The floor is the fused kernels' traffic over the copy bandwidth
+measured in the same run: forward reads x twice (statistics, then
+normalization) and writes y and the 1-bit mask; backward reads x, dy and the
+mask twice (reductions, then dx) and writes dx. The in-place mode's floor
+has no mask and reads y where the default reads x: "of its floor" uses it.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ def main() -> None:
 
     theirs = nn.Sequential(nn.BatchNorm2d(c), nn.LeakyReLU(0.01, inplace=True)).cuda()
     ours = ct.BatchNormAct2d(c, act_layer="leaky_relu").cuda()
+    inplace = ct.BatchNormAct2d(c, act_layer="leaky_relu", memory="inplace").cuda()
+    x_inplace = x.clone()  # (overwritten by each call with its own normalized values)
     compiled = torch.compile(nn.Sequential(nn.BatchNorm2d(c), nn.LeakyReLU(0.01)).cuda())
 
     def unfused(xx):
@@ -49,14 +55,20 @@ def main() -> None:
         finally:
             ct.batchnorm.FUSED = True
 
-    models = {"pytorch": theirs, "ours fused": ours, "ours unfused": unfused}
+    models = {"pytorch": theirs, "ours fused": ours, "ours in place": inplace}
+    models["ours unfused"] = unfused
     models["torch.compile"] = compiled
 
     def fwd(m):
+        if m is inplace:  # (detached: each call's graph ends at its own input)
+            return lambda: m(x_inplace.detach())
         return lambda: m(x)
 
     def fwd_bwd(m):
         def f():
+            if m is inplace:  # (x does not need a gradient here; dx is computed all the same)
+                m(x_inplace.detach()).backward(gy)
+                return
             xx = x.detach().requires_grad_(True)
             m(xx).backward(gy)
 
@@ -69,24 +81,24 @@ def main() -> None:
     mask = -(-x.numel() // 32) * 4
     fwd_bytes = 3 * size + mask
     bwd_bytes = 2 * (2 * size + mask) + size
-    for what, make, nbytes in (
-        ("forward", fwd, fwd_bytes),
-        ("fwd+bwd", fwd_bwd, fwd_bytes + bwd_bytes),
+    for what, make, nbytes, nbytes_inplace in (
+        ("forward", fwd, fwd_bytes, 3 * size),
+        ("fwd+bwd", fwd_bwd, fwd_bytes + bwd_bytes, 3 * size + 5 * size),
     ):
         fns = {k: make(m) for k, m in models.items()}
         fns["copy"] = copy
-        with torch.no_grad() if what == "forward" else torch.enable_grad():
-            t = testing.interleaved_median_ms(fns, rounds=args.rounds)
+        t = testing.interleaved_median_ms(fns, rounds=args.rounds)
         bw = 2 * size / (t["copy"] * 1e-3)
-        floor = nbytes / bw * 1e3
+        floor, floor_inplace = nbytes / bw * 1e3, nbytes_inplace / bw * 1e3
         print(
             f"{what} {tuple(args.shape)} {args.dtype} {'NHWC' if args.channels_last else 'NCHW'}:"
-            f" copy {bw / 1e9:.0f} GB/s, floor {floor:.3f} ms"
+            f" copy {bw / 1e9:.0f} GB/s, floor {floor:.3f} ms (in place {floor_inplace:.3f})"
         )
-        for k in models:
+        for k, m in models.items():
+            f = floor_inplace if m is inplace else floor
             print(
                 f"    {k:14s} {t[k]:7.3f} ms  {t[k] / t['pytorch']:5.2f}x pytorch"
-                f"  {floor / t[k]:5.1%} of the floor's speed",
+                f"  {f / t[k]:5.1%} of its floor's speed",
                 flush=True,
             )
 

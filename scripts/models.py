@@ -66,6 +66,7 @@ from cupy_act import testing
 from cupy_act.torch import _traced
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import step_profile  # noqa: E402  (device time by kernel kind)
 from train import mlp_model  # noqa: E402  (the project's MLP)
 
 
@@ -178,8 +179,8 @@ class Run:
             to_floor(model)
         elif variant == "ours" or ours:
             ct.replace_activations(model)
-        elif variant == "ours+bn":  # BatchNorm + activation fused, the rest ours
-            ct.fuse_batchnorm_act(model)
+        elif variant in BN_VARIANTS:  # BatchNorm + activation fused, the rest ours
+            ct.fuse_batchnorm_act(model, memory=BN_VARIANTS[variant])
             ct.replace_activations(model)
         self.graphs = mode == "reduce-overhead"
         self.fn = model if mode is None else torch.compile(model, mode=mode, dynamic=False)
@@ -199,10 +200,14 @@ class Run:
         return loss.detach().clone()  # (a CUDA graph's output is overwritten by the next run)
 
     def block_ms(self, data) -> float:
+        """Wall milliseconds per step of a block; self.host_ms: the thread's CPU
+        milliseconds per step before the final synchronization (what Python and
+        the launches cost; the step time where it exceeds the device time)."""
         sync()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for x, t in data:
             self.step(x, t)
+        self.host_ms = (time.thread_time() - c0) * 1e3 / len(data)
         sync()
         return (time.perf_counter() - t0) * 1e3 / len(data)
 
@@ -237,6 +242,7 @@ def graph_pool_mib() -> float:
 
 
 EAGER_VARIANTS = ("eager", "floor", "ours")
+BN_VARIANTS = {"ours+bn": "default", "ours+bn-inplace": "inplace"}  # (--bn) fuser's memory mode
 
 
 def batches(shape, classes, integer, batch, args):
@@ -267,7 +273,7 @@ def measure(name, eager, shape, classes, integer, batch, args):
     losses = {}
     if torch.backends.cudnn.benchmark:  # cuDNN's algorithm search (and its workspaces) first
         Run(eager, "eager", device, classes).step(*data[0])
-    variants = EAGER_VARIANTS + (("ours+bn",) if args.bn else ())
+    variants = EAGER_VARIANTS + (tuple(BN_VARIANTS) if args.bn else ())
     for v in variants:  # losses and peak memory, one variant at a time
 
         def train(v=v):
@@ -277,11 +283,15 @@ def measure(name, eager, shape, classes, integer, batch, args):
         losses[v], row[f"{v} MiB"] = peak_memory_mib(train)
     for v in ("floor", "ours"):
         row[f"{v} bit-equal"] = same_bits(losses[v], losses["eager"])
-    if args.bn:  # (not bit-equal: statistics in other kernels) the largest loss difference
-        diff = (losses["ours+bn"] - losses["eager"]).abs() / losses["eager"].abs()
-        row["ours+bn loss max rel diff"] = diff.max().item()
+    for v in BN_VARIANTS if args.bn else ():  # (statistics in other kernels: not bit-equal)
+        diff = (losses[v] - losses["eager"]).abs() / losses["eager"].abs()
+        row[f"{v} loss max rel diff"] = diff.max().item()
     runs = {v: Run(eager, v, device, classes) for v in variants}
     interleave(runs, data, row, args.rounds)
+    if args.profile:
+        row["profile"] = {
+            v: step_profile.breakdown(lambda r=r: r.step(*data[0])) for v, r in runs.items()
+        }
     return row
 
 
@@ -290,11 +300,14 @@ def interleave(runs: dict, data, row: dict, rounds: int) -> None:
     for r in runs.values():
         r.block_ms(data)  # warm-up
     times = {v: [] for v in runs}
+    host = {v: [] for v in runs}
     for _ in range(rounds):
         for v, r in runs.items():
             times[v].append(r.block_ms(data))
+            host[v].append(r.host_ms)
     for v in runs:
         row[f"{v} ms"] = statistics.median(times[v])
+        row[f"{v} host ms"] = statistics.median(host[v])
 
 
 def measure_compiled(row, eager, shape, classes, integer, args):
@@ -336,7 +349,13 @@ def measure_compiled(row, eager, shape, classes, integer, args):
         row[f"{ref} repeats"] = same_bits(losses[ref], torch.stack([again.step(*b) for b in data]))
         again = None
     _fresh()
-    interleave({v: Run(eager, v, device, classes) for v in variants}, data, row, args.rounds)
+    runs = {v: Run(eager, v, device, classes) for v in variants}
+    interleave(runs, data, row, args.rounds)
+    if args.profile:
+        row["profile"] = {
+            v: step_profile.breakdown(lambda r=r: r.step(*data[0])) for v, r in runs.items()
+        }
+    runs = None
     _fresh()
 
 
@@ -513,7 +532,12 @@ def main() -> None:
     ap.add_argument("--cudnn", nargs="+", default=["benchmark", "deterministic"])
     ap.add_argument("--no-eager", action="store_true", help="the compiled table only")
     ap.add_argument(
-        "--bn", action="store_true", help="an eager ours+bn column: fuse_batchnorm_act as well"
+        "--bn",
+        action="store_true",
+        help="eager ours+bn and ours+bn-inplace columns: fuse_batchnorm_act as well",
+    )
+    ap.add_argument(
+        "--profile", action="store_true", help="device time per step by kernel kind, per variant"
     )
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--device", default="cuda")
@@ -551,21 +575,47 @@ def main() -> None:
                 rows.append(measure(name, *built, batch, args))
                 print_row(rows[-1])
                 if args.bn:
-                    r = rows[-1]
-                    ms = r["ours+bn ms"]
-                    print(
-                        f"    ours+bn {ms:8.2f} ms ({ms / r['eager ms']:.3f}x"
-                        f" eager), {r['ours+bn MiB']:.0f} MiB, losses within"
-                        f" {r['ours+bn loss max rel diff']:.1e} of eager's",
-                        flush=True,
-                    )
+                    print_bn(rows[-1])
+                if args.profile:
+                    step_profile.print_table(rows[-1]["profile"])
                 save(rows, args.json)
             for batch in args.compile_batches if args.compiled else []:
                 row = {"model": name, "batch": batch, "cudnn": setting, "table": "compiled"}
                 measure_compiled(row, *built, args)
                 rows.append(row)
                 print_compiled(row, args.compiled)
+                if args.profile:
+                    step_profile.print_table(row["profile"])
+                if args.bn:
+                    print_bn_against_compile(rows, row)
                 save(rows, args.json)
+
+
+def print_bn(r: dict) -> None:
+    """The fused BatchNorm rows, and every eager variant's host time per step
+    (CPU time of the launching thread: the step's floor where the device is
+    faster)."""
+    for v in BN_VARIANTS:
+        ms, mib = r[f"{v} ms"], r[f"{v} MiB"]
+        print(
+            f"    {v:15s} {ms:8.2f} ms ({ms / r['eager ms']:.3f}x eager), {mib:.0f} MiB"
+            f" ({mib / r['eager MiB']:.3f}x eager), losses within"
+            f" {r[f'{v} loss max rel diff']:.1e} of eager's",
+            flush=True,
+        )
+    hosts = ", ".join(f"{v} {r[f'{v} host ms']:.2f}" for v in (*EAGER_VARIANTS, *BN_VARIANTS))
+    print(f"    host ms per step: {hosts}", flush=True)
+
+
+def print_bn_against_compile(rows: list, compiled: dict) -> None:
+    """The fused modules' eager step time against torch.compile's (same model,
+    batch and cuDNN setting, this run)."""
+    for r in rows:
+        same = [r.get(k) == compiled[k] for k in ("model", "batch", "cudnn")]
+        if all(same) and "table" not in r and "compile ms" in compiled:
+            for v in BN_VARIANTS:
+                ratio = r[f"{v} ms"] / compiled["compile ms"]
+                print(f"    {v} eager: {ratio:.3f}x torch.compile's step", flush=True)
 
 
 def save(rows, path) -> None:

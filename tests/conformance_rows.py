@@ -866,6 +866,52 @@ def fsdp2(device):
     _distributed_losses(device, wrap)
 
 
+@row("cpu", "cuda", launcher=_TORCHRUN)
+def ddp_batchnorm(device):
+    """Fused BatchNorm + activation modules (the in-place mode) under DDP, over
+    gloo so that both processes can share one GPU: the statistics stay local
+    to each process, as nn.BatchNorm2d's; losses, parameters and statistics
+    PyTorch's modules' bit for bit on the CPU, within float32 accuracy where
+    CUDA runs the fused kernels."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank = int(os.environ["RANK"])
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    results = []
+    for fused in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.LeakyReLU(0.1),
+            nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.Flatten(), nn.Linear(8 * 6 * 6, 4),
+        ).to(device)  # fmt: skip
+        if fused:
+            model, count = ct.fuse_batchnorm_act(model, memory="inplace")
+            assert count == 2 and model[1].memory == "inplace", model
+        ddp = DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(100 + rank)
+        losses = []
+        for _ in range(3):
+            loss = ddp(torch.randn(4, 3, 10, 10, generator=g).to(device)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        stats = torch.stack([model[1].running_mean, model[4].running_var]).cpu()
+        gathered = [torch.empty_like(stats) for _ in range(2)]
+        dist.all_gather(gathered, stats)
+        assert not torch.equal(gathered[0], gathered[1]), "statistics are local"
+        results.append([torch.stack(losses), *model.parameters(), *gathered])
+    for i, (a, e) in enumerate(zip(*results)):
+        if device == "cpu":
+            same(a.detach(), e.detach(), f"rank {rank}, tensor {i}")
+        else:
+            torch.testing.assert_close(a.detach().cpu(), e.detach().cpu(), rtol=1e-4, atol=1e-5)
+
+
 def main(argv) -> int:
     global ct, testing
     name, device = argv

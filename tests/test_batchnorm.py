@@ -243,8 +243,9 @@ def test_fuse_timm_cspdarknet53(monkeypatch):
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("act", ["relu", "leaky_relu", "identity"])
 def test_launch_plan(act, channels_last, monkeypatch):
-    """Each pass launches three compiled instantiations; the reduction's grid is
-    as wide as the partial buffer the caller sized from ``Shape.splits``."""
+    """Each pass launches compiled instantiations; the reduction's grid is as
+    wide as the partial buffer the caller sized from ``Plan.splits``; 16-byte
+    vectors only where the shape and every pointer allow them."""
     from types import SimpleNamespace
 
     from cupy_act import _batchnorm
@@ -258,15 +259,21 @@ def test_launch_plan(act, channels_last, monkeypatch):
         _batchnorm._launch, "run", lambda ptr, ctx, grid, threads, *a: launched.append((ptr, grid))
     )
     s = _batchnorm.shape(0, "bfloat16", act, channels_last, 32 * 48 * 64 * 64, 64 * 64, 48)
+    p = _batchnorm.plan(s, 256, 512)
+    assert p.width == 8 and _batchnorm.plan(s, 256, 520).width == 1
     buffers = _batchnorm.Buffers(*range(14))
-    _batchnorm.forward(s, 0, buffers, 0.1, 1e-5, 0.01)
-    _batchnorm.backward(s, 0, buffers, 0.01)
+    _batchnorm.forward(s, p, 0, buffers, 0.1, 1e-5, 0.01)
+    _batchnorm.backward(s, p, 0, buffers, 0.01)
+    _batchnorm.forward(s, p, 0, buffers, 0.1, 1e-5, 0.01, evaluate=True)
     names = set(_batchnorm.all_kernel_names())
-    assert [name in names for name, _ in launched] == [True] * 6, launched
+    assert [name in names for name, _ in launched] == [True] * 8, launched
     assert "bn_reduce" in launched[0][0] and "bn_reduce" in launched[3][0]
-    blocks = -(-48 // 32) if channels_last else 48
-    assert launched[0][1] == launched[3][1] == (s.splits, blocks)
-    assert 1 < s.splits * 2048 <= 32 * 64 * 64 + 2048  # each block's share >= 2048 elements
+    assert "finalize_stats" in launched[6][0] and "bn_forward" in launched[7][0]
+    blocks = -(-48 // 8 // 32) if channels_last else 48
+    assert launched[0][1] == launched[3][1] == (p.splits, blocks)
+    assert 1 < p.splits * 2048 <= s.n // blocks + 2048  # each block's share >= 2048 elements
+    odd = _batchnorm.shape(0, "float32", act, channels_last, 2 * 6 * 5 * 5, 25, 6)
+    assert not odd.vector and _batchnorm.plan(odd, 256).width == 1
 
 
 @pytest.mark.parametrize("arch", [80, 90])
@@ -290,54 +297,106 @@ def test_kernels_compile_with_nvrtc(arch):
     finally:
         nvrtc.destroyProgram(prog)
     entries = re.findall(r"^\.(?:visible|weak) \.entry ", ptx, re.M)
-    assert len(entries) == len(set(names)) == 2 + 3 * 2 * 3 * 4
+    assert len(entries) == len(set(names)) == 2 + 3 * 4 * 14  # (dtype, layout, width) x kernels
     sizes = set(re.findall(r"\.param \.align \d+ \.b8 \S+_param_0\[(\d+)\]", ptx))
     assert sizes == {str(_batchnorm._PARAMS.size)}
     assert "__local_depot" not in ptx
 
 
-BN_SHAPES = [(4, 5, 6, 7), (3, 17, 9, 11), (8, 64, 33, 33), (2, 40, 1, 1), (1, 8, 5, 3)]
+BN_SHAPES = [
+    (4, 5, 6, 7),
+    (3, 17, 9, 11),
+    (8, 64, 33, 33),
+    (2, 40, 1, 1),
+    (1, 8, 5, 3),
+    (2, 24, 16, 16),  # 16-byte vectors in both layouts and every dtype
+    (3, 12, 8, 4),  # float32 vectors; 16-bit: per element in channels-last
+]
 # float32: no more than twice eager PyTorch's own error against float64, plus
 # this floor; 16-bit outputs: their rounding
 FLOOR = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+UNIT = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+MODES = [
+    ("relu", 0.0, "default"),
+    ("leaky_relu", 0.1, "default"),
+    ("identity", 0.0, "default"),
+    ("leaky_relu", 0.1, "inplace"),
+    ("identity", 0.0, "inplace"),
+]
 
 
 def _fused_steps(model, x, gy, steps=2):
+    """Two training steps, then an eval step with a backward (as fine-tuning
+    with frozen statistics does): outputs, gradients, buffers (float64)."""
     out = []
-    for _ in range(steps):
+    for train in [True] * steps + [False]:
+        model.train(train)
         xi = x.detach().clone().requires_grad_(True)
-        y = model(xi)
+        y = model(xi.clone())  # (a non-leaf input: the in-place mode writes over it)
         y.backward(gy)
         out += [y.detach().double(), xi.grad.double()]
         out += [p.grad.double() for p in model.parameters()]
         model.zero_grad(set_to_none=True)
+    model.train()
     out += [b.double() for b in model.buffers()]
     return out
 
 
+def _layout(t, layout):
+    if layout == "channels_last":
+        return t.contiguous(memory_format=torch.channels_last)
+    if layout == "offset":  # one element into its storage: not 16-byte aligned
+        return torch.cat([t.new_zeros(1), t.flatten()])[1:].view(t.shape)
+    return t.contiguous()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "offset"])
 @pytest.mark.parametrize("shape", BN_SHAPES, ids=str)
-@pytest.mark.parametrize("act,slope", [("relu", 0.0), ("leaky_relu", 0.1), ("identity", 0.0)])
-def test_fused_kernels_accuracy_and_determinism(act, slope, shape, layout, dtype, monkeypatch):
+@pytest.mark.parametrize("act,slope,memory", MODES)
+def test_fused_kernels_accuracy_and_determinism(
+    act, slope, memory, shape, layout, dtype, monkeypatch
+):
+    """Training and eval steps against float64: errors at most twice eager
+    PyTorch's plus FLOOR; the in-place mode's gradients, which recover xhat
+    from the rounded y as (z - b) / w, within 4 u A more (u: the dtype's unit
+    roundoff, A = max |xhat| + 2 max |b / w|: the inversion's amplification),
+    and its outputs and statistics the default mode's bit for bit; two runs,
+    the same bits."""
     monkeypatch.setattr(ct.batchnorm, "FUSED_CHANNELS_LAST", True)
-    ours, theirs = _pair(act, slope, None if shape[1] == 17 else 0.1, "cuda", shape[1])
+    momentum = None if shape[1] == 17 else 0.1
+    ours, theirs = _pair(act, slope, momentum, "cuda", shape[1])
+    if memory == "inplace":  # |w| in [0.5, 2]: a bounded amplification
+        with torch.no_grad():
+            ours.weight.copy_(ours.weight.sign() * (0.5 + ours.weight.abs() * 0.75))
+        theirs[0].load_state_dict(ours.state_dict())
+        default = copy.deepcopy(ours)
+        ours.memory = "inplace"
     ref64 = copy.deepcopy(theirs).double()
-    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(shape, device="cuda", generator=gen) * 2 + 0.5
     gy = torch.randn(shape, device="cuda", generator=gen)
-    x, gy = x.to(dtype).contiguous(memory_format=fmt), gy.to(dtype)
+    x, gy = _layout(x.to(dtype), layout), gy.to(dtype)
     first = copy.deepcopy(ours)
     got = _fused_steps(ours, x, gy)
     want = _fused_steps(theirs, x, gy)  # eager PyTorch (float32 parameters)
     exact = _fused_steps(ref64, x.double(), gy.double())
     assert got[-1].item() == exact[-1].item() == 2, "num_batches_tracked"
+    extra = 0.0
+    if memory == "inplace":
+        w, b = ref64[0].weight.detach(), ref64[0].bias.detach()
+        xhat_max = ((x.double() - x.double().mean((0, 2, 3), keepdim=True)).abs().amax() /
+                    x.double().var((0, 2, 3), unbiased=False).sqrt().amin()).item()  # fmt: skip
+        extra = 4 * UNIT[dtype] * (xhat_max + 2 * (b / w).abs().max().item())
+        base = _fused_steps(default, x, gy)
+        per_step = 2 + len(list(ours.parameters()))
+        for i in [k * per_step for k in range(3)] + [-3, -2, -1]:  # outputs, buffers
+            testing.assert_bits_equal(got[i], base[i], f"in place against default, output {i}")
     for i, (a, e) in enumerate(zip(got, exact)):
         scale = e.abs().max().item() + 1e-30
         err = (a - e).abs().max().item() / scale
-        bound = FLOOR[dtype] + 2 * (want[i] - e).abs().max().item() / scale
+        bound = FLOOR[dtype] + extra + 2 * (want[i] - e).abs().max().item() / scale
         assert err <= bound, f"output {i}: error {err:.2e} over {bound:.2e}"
     again = _fused_steps(first, x, gy)
     for i, (a, e) in enumerate(zip(again, got)):
@@ -345,17 +404,120 @@ def test_fused_kernels_accuracy_and_determinism(act, slope, shape, layout, dtype
 
 
 @pytest.mark.gpu
-def test_fused_kernels_run_and_eval_falls_back():
-    """Training on CUDA takes the kernels (a 1-bit mask saved, not a second
-    tensor); eval runs PyTorch's normalization with the running statistics."""
-    ours, theirs = _pair("leaky_relu", 0.1, 0.1, "cuda")
+@pytest.mark.parametrize("memory", ["default", "inplace"])
+def test_fused_kernels_save_a_mask_or_the_output(memory):
+    """Training on CUDA takes the kernels. Default: x, the statistics and a
+    1-bit mask saved. In place: the output is the input's storage, the only
+    tensor of its size saved; reading the input afterwards for a gradient
+    raises PyTorch's in-place error."""
+    ours = ct.BatchNormAct2d(5, act_layer="leaky_relu", memory=memory).cuda()
     x = torch.randn(4, 5, 6, 7, device="cuda", requires_grad=True)
-    (_, sizes) = testing.saved_sizes(ours, x)
-    assert (torch.int32, -(-x.numel() // 32)) in sizes, sizes
-    theirs[0].load_state_dict(ours.state_dict())  # (the fused kernels' running statistics)
-    ours.eval(), theirs.eval()
+    (_, sizes) = testing.saved_sizes(lambda t: ours(t * 1), x)  # (a non-leaf input)
+    big = [s for s in sizes if s[1] == x.numel()]
+    assert big == [(torch.float32, x.numel())], sizes
+    words = (torch.int32, -(-x.numel() // 32))
+    assert (words in sizes) == (memory == "default"), sizes
+    if memory == "inplace":
+        with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+            ours(x)  # (PyTorch's own error for an in-place op on such a tensor)
+    z = x * 1
+    s = z.sin()  # (saves z, which the in-place mode then writes over)
+    y = ours(z)
+    assert (y.data_ptr() == z.data_ptr()) == (memory == "inplace")
+    if memory == "inplace":
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            (y + s).sum().backward()
+    else:
+        (y + s).sum().backward()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("memory", ["default", "inplace"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_nan_and_inf_propagate_as_pytorch(train, memory):
+    """A NaN or an inf in a channel: training makes the channel's statistics,
+    so all its outputs and gradients, NaN as PyTorch's BatchNorm does; eval
+    keeps them to their elements."""
+    ours, theirs = _pair("leaky_relu", 0.1, 0.1, "cuda", 6)
+    ours.memory = memory
+    x = torch.randn(3, 6, 5, 8, device="cuda")
+    x[1, 0, 2, 3], x[0, 2, 4, 4], x[2, 3, 0, 0] = float("nan"), float("inf"), -float("inf")
+    gy = torch.randn_like(x)
+    results = []
+    for model in (ours, theirs):
+        model.train(train)
+        xi = x.clone().requires_grad_(True)
+        y = model(xi.clone())
+        y.backward(gy)
+        bn = model if model is ours else model[0]
+        results.append([y.detach(), xi.grad, bn.running_mean, bn.running_var])
+    for i, (a, e) in enumerate(zip(*results)):
+        assert torch.equal(a.isnan(), e.isnan()), f"output {i}: NaN positions"
+        assert torch.equal(a.isinf(), e.isinf()), f"output {i}: inf positions"
+        ok = a.isfinite()
+        torch.testing.assert_close(a[ok], e[ok], rtol=1e-4, atol=1e-5, msg=f"output {i}")
+
+
+@pytest.mark.gpu
+def test_fuse_inplace_where_the_input_is_a_convolution_output():
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3),
+        nn.BatchNorm2d(8),
+        nn.LeakyReLU(0.1),
+        nn.BatchNorm2d(8),  # (input: not a convolution's output)
+        nn.LeakyReLU(0.1),
+        nn.Conv2d(8, 8, 3),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),  # (not invertible)
+    ).cuda()
+    ref = copy.deepcopy(model)
+    model, count = ct.fuse_batchnorm_act(model, memory="inplace")
+    assert count == 3
+    assert [model[i].memory for i in (1, 3, 6)] == ["inplace", "default", "default"]
+    x = torch.randn(2, 3, 12, 12, device="cuda")
+    for m in (model, ref):
+        torch.manual_seed(0)
+        m(x).sum().backward()
+    for (name, a), e in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, e.grad, rtol=1e-4, atol=1e-5, msg=name)
+    with pytest.raises(ValueError, match=r"memory='in_place' is not supported; expected one of"):
+        ct.fuse_batchnorm_act(model, memory="in_place")
+
+
+def test_fuse_inplace_keeps_zero_weights_in_the_default_mode():
+    """A zero-initialized weight (timm's zero_init_last) cannot be inverted: the
+    fuser keeps that BatchNorm in the default mode and names it."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.LeakyReLU(0.1))
+    model.append(nn.Conv2d(4, 4, 3)).append(nn.BatchNorm2d(4)).append(nn.LeakyReLU(0.1))
+    nn.init.zeros_(model[4].weight)
+    with pytest.warns(UserWarning, match=r"1 BatchNorm\(s\) with a zero in their weight \(4\)"):
+        model, count = ct.fuse_batchnorm_act(model, memory="inplace")
+    assert count == 2 and [model[1].memory, model[4].memory] == ["inplace", "default"]
+
+
+@pytest.mark.gpu
+def test_inplace_zero_weight_channel_is_loud_not_wrong():
+    """The documented condition: where weight is 0 the in-place backward gives
+    that channel NaN for grad_weight (xhat is lost), dx 0 as it should be, and
+    the other channels their normal gradients."""
+    ours, theirs = _pair("leaky_relu", 0.1, 0.1, "cuda", 4)
     with torch.no_grad():
-        testing.assert_bits_equal(ours(x), theirs(x), "eval")
+        ours.weight[2] = 0.0
+    theirs[0].load_state_dict(ours.state_dict())
+    ours.memory = "inplace"
+    x = torch.randn(3, 4, 5, 6, device="cuda")
+    gy = torch.randn_like(x)
+    grads = []
+    for model in (ours, theirs):
+        xi = x.clone().requires_grad_(True)
+        model(xi.clone()).backward(gy)
+        grads.append([xi.grad, *(p.grad for p in model.parameters())])
+    (dx, gw, gb), (dx_e, gw_e, gb_e) = grads
+    assert gw[2].isnan() and not gw[[0, 1, 3]].isnan().any()
+    assert torch.equal(dx[:, 2], torch.zeros_like(dx[:, 2]))
+    torch.testing.assert_close(dx, dx_e, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(gw[[0, 1, 3]], gw_e[[0, 1, 3]], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(gb, gb_e, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)

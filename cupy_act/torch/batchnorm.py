@@ -6,18 +6,20 @@ cumulative average, ``num_batches_tracked``, eval with or without tracked
 statistics) with ReLU, LeakyReLU or identity applied to the normalized output,
 as timm's ``BatchNormAct2d`` does.
 
-Training on a dense NCHW CUDA tensor runs ``FusedBatchNormAct``, cupy_act's
-kernels (``cuda/batchnorm.cu``): statistics, then normalization, affine,
-activation and the 1-bit mask in one pass; the backward reads dy, the mask
-and x for its two reductions and again for dx. Accurate to float32 (errors
-against float64 within twice eager PyTorch's), not bit-equal to PyTorch's
-kernels, whose reduction order is theirs; deterministic. Everywhere else
-(eval with running statistics, CPU, channels-last unless
-``FUSED_CHANNELS_LAST``, float64, torch.compile, torch.func, forward-mode AD)
-the normalization is PyTorch's own (``nn.BatchNorm2d.forward``) and the
-activation cupy_act's, in place on the normalization's fresh output: bit for
-bit PyTorch's pair. Under torch.compile both trace into PyTorch operations,
-which Inductor fuses.
+On a dense CUDA tensor (NCHW or channels-last, float32 / float16 / bfloat16,
+float32 parameters) it runs ``FusedBatchNormAct``, cupy_act's kernels
+(``cuda/batchnorm.cu``). Training: the statistics, then normalization,
+affine, activation and the 1-bit mask in one pass; the backward reads dy, the
+mask and x for its two reductions and again for dx. Eval: one elementwise
+pass from the running statistics. ``memory="inplace"`` writes y over x and
+keeps only y for the backward (InPlace-ABN). Accurate to float32 (errors
+against float64 within twice eager PyTorch's; docs/batchnorm.md), not
+bit-equal to PyTorch's kernels, whose reduction order is theirs;
+deterministic. Everywhere else (CPU, float64, other strides, torch.compile,
+torch.func, forward-mode AD) the normalization is PyTorch's own
+(``nn.BatchNorm2d.forward``) and the activation cupy_act's, in place on the
+normalization's fresh output: bit for bit PyTorch's pair. Under
+torch.compile both trace into PyTorch operations, which Inductor fuses.
 
 ``fuse_batchnorm_act`` swaps timm's ``BatchNormAct2d`` and ``nn.Sequential``
 BatchNorm -> ReLU / LeakyReLU pairs for it.
@@ -26,6 +28,7 @@ BatchNorm -> ReLU / LeakyReLU pairs for it.
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -44,6 +47,23 @@ _ACT_CLASSES = {
     modules.LeakyReLU: "leaky_relu",
     nn.Identity: "identity",
 }
+
+
+MEMORY = ("default", "inplace")
+
+
+def _memory_mode(memory, act: str, slope: float) -> str:
+    if memory not in MEMORY:
+        raise ValueError(
+            f"BatchNormAct2d: memory={memory!r} is not supported; expected one of {MEMORY}"
+        )
+    if memory == "inplace" and not (act == "identity" or (act == "leaky_relu" and slope > 0)):
+        what = f"leaky_relu with negative_slope={slope}" if act == "leaky_relu" else act
+        raise ValueError(
+            f"BatchNormAct2d: memory='inplace' needs an invertible activation (identity, or "
+            f"leaky_relu with negative_slope > 0), got {what}"
+        )
+    return memory
 
 
 def _act_name(act_layer, where: str) -> str:
@@ -76,6 +96,18 @@ class BatchNormAct2d(nn.BatchNorm2d):
             ``inplace`` there is ignored (the activation always writes over the
             normalization's own output, which nothing else holds).
         inplace: accepted for timm's signature; see ``act_kwargs``.
+        memory: ``"default"`` saves x (as PyTorch's BatchNorm does) and a 1-bit
+            mask for the backward. ``"inplace"`` (InPlace-ABN, Rota Bulo et al.,
+            CVPR 2018) writes y over the input and saves only y: the backward
+            recovers the activation's input and the normalized x by inverting
+            the activation and the affine transform. It needs an invertible
+            activation (identity, or LeakyReLU with a positive slope) and no
+            zero in ``weight`` (such a channel's gradients come out NaN), and
+            it costs accuracy in the gradients where ``|bias| / |weight|`` is
+            large (docs/batchnorm.md states the bound). The input must not be
+            used by anything else (a convolution's output is the case it is
+            made for); it holds y after the call where the fused kernels run
+            (CUDA) and is left alone elsewhere.
 
     The ``state_dict`` is ``nn.BatchNorm2d``'s: weights load either way.
     """
@@ -93,6 +125,7 @@ class BatchNormAct2d(nn.BatchNorm2d):
         inplace: bool = True,
         device=None,
         dtype=None,
+        memory: str = "default",
     ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
         self.act = _act_name(act_layer if apply_act else None, "BatchNormAct2d")
@@ -110,6 +143,7 @@ class BatchNormAct2d(nn.BatchNorm2d):
                 f"it applies to 'leaky_relu' only"
             )
         self.negative_slope = float(slope)
+        self.memory = _memory_mode(memory, self.act, self.negative_slope)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if _fusable(self, input):
@@ -125,49 +159,68 @@ class BatchNormAct2d(nn.BatchNorm2d):
         act = f"act={self.act!r}"
         if self.act == "leaky_relu":
             act += f", negative_slope={self.negative_slope}"
+        if self.memory != "default":
+            act += f", memory={self.memory!r}"
         return f"{super().extra_repr()}, {act}"
 
 
 # The fused CUDA kernels where they apply (False: always PyTorch's
-# normalization, then our activation; for measurement). Channels-last inputs
-# only with FUSED_CHANNELS_LAST: their kernels are correct but slower than
-# PyTorch's there (H100, 32 x 32 x 256 x 256 float32: forward + backward 1.74
-# against 1.22 ms; NCHW 1.11 against 4.43 ms; scripts/bn_bench.py).
+# normalization, then our activation; for measurement), and on channels-last
+# inputs (H100, 32 x 32 x 256 x 256 forward + backward: float32 0.81 ms
+# against PyTorch's 1.22, bfloat16 0.55 against 1.52; scripts/bn_bench.py).
 FUSED = True
-FUSED_CHANNELS_LAST = False
+FUSED_CHANNELS_LAST = True
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _fusable(m: BatchNormAct2d, x: torch.Tensor) -> bool:
-    """Training statistics on a dense 4-D CUDA tensor, float32 parameters and
-    buffers, outside torch.compile, torch.func transforms and forward-mode AD."""
+    """A dense 4-D CUDA tensor, float32 parameters and buffers, outside
+    torch.compile, torch.func transforms and forward-mode AD."""
     if not (FUSED and x.is_cuda and x.dim() == 4 and x.dtype in _FUSED_DTYPES):
         return False
-    if not (m.training or m.running_mean is None):
-        return False  # eval with running statistics: PyTorch's, then our activation
     if F._is_compiling() or F._functorch_active() or F._forward_ad_active():
         return False
     tensors = (m.weight, m.bias, m.running_mean, m.running_var)
     if any(t is not None and (t.dtype != torch.float32 or t.device != x.device) for t in tensors):
         return False
-    if x.numel() // max(x.shape[1], 1) <= 1 or x.shape[1] > 65535:
-        return False  # (one value per channel: PyTorch's path raises its error; the
-        # reduction's grid has a row of blocks per channel)
+    per_channel = x.numel() // max(x.shape[1], 1)
+    if per_channel <= (1 if _batch_statistics(m) else 0) or x.shape[1] > 65535:
+        return False  # (one value per channel in training: PyTorch's path raises its
+        # error; the reduction's grid has a row of blocks per channel)
     return x.is_contiguous() or (FUSED_CHANNELS_LAST and _impl.is_channels_last(x))
+
+
+def _batch_statistics(m: nn.BatchNorm2d) -> bool:
+    """Whether the forward normalizes with the batch's statistics (as
+    ``nn.BatchNorm2d.forward`` decides), else with the running ones."""
+    return m.training or m.running_mean is None
 
 
 def _fused_forward(m: BatchNormAct2d, x: torch.Tensor) -> torch.Tensor:
     """nn.BatchNorm2d.forward's running-statistics bookkeeping, then the kernels."""
     factor = 0.0 if m.momentum is None else m.momentum
-    update = m.training and m.track_running_stats and m.running_mean is not None
+    batch = _batch_statistics(m)
     if m.training and m.track_running_stats and m.num_batches_tracked is not None:
         m.num_batches_tracked.add_(1)
         if m.momentum is None:  # cumulative moving average
             factor = 1.0 / float(m.num_batches_tracked)
-    running = (m.running_mean, m.running_var) if update else (None, None)
-    return FusedBatchNormAct.apply(
-        x, m.weight, m.bias, *running, float(factor), float(m.eps), m.act, m.negative_slope
+    # running statistics: updated (training) or used (eval)
+    running = (m.running_mean, m.running_var)
+    if batch and not (m.training and m.track_running_stats):
+        running = (None, None)
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, m.weight, m.bias)
     )
+    mode = _Mode(m.act, m.negative_slope, not batch, m.memory == "inplace", grad)
+    return _apply_fused(x, m.weight, m.bias, *running, float(factor), float(m.eps), mode)
+
+
+class _Mode(NamedTuple):
+    act: str
+    slope: float
+    evaluate: bool  # normalize with the running statistics
+    inplace: bool  # write y over x, save only y (the backward inverts it)
+    grad: bool  # a backward may follow: write the mask
 
 
 def _ptr(t) -> int:
@@ -175,59 +228,84 @@ def _ptr(t) -> int:
 
 
 class FusedBatchNormAct(torch.autograd.Function):
-    """Training BatchNorm + activation in cupy_act's kernels (cuda/batchnorm.cu):
-    saves x, the batch mean and invstd and the 1-bit mask. Gradients for x,
-    weight and bias; no double backward."""
+    """BatchNorm + activation in cupy_act's kernels (cuda/batchnorm.cu).
+
+    Default mode: saves x, the mean and invstd used and the 1-bit mask. In
+    place: writes y over x (marked dirty) and saves y, the mean and invstd;
+    the backward recovers the activation's input and xhat by inverting the
+    activation and the affine transform. Gradients for x, weight and bias; no
+    double backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, factor, eps, act, slope):
-        cl = not x.is_contiguous() and _impl.is_channels_last(x)
+    def forward(ctx, x, weight, bias, running_mean, running_var, factor, eps, mode: _Mode):
+        cl = not x.is_contiguous()
         n, c = x.numel(), x.shape[1]
         dev = x.device
-        inner = x.shape[2] * x.shape[3]
-        s = _bn.shape(dev.index, _impl.DTYPE_NAMES[x.dtype], act, cl, n, inner, c)
-        y = torch.empty_like(x)
-        words = -(-n // 32)
-        mask = None if act == "identity" else torch.empty(words, dtype=torch.int32, device=dev)
-        mean = torch.empty(c, dtype=torch.float32, device=dev)
-        invstd = torch.empty_like(mean)
-        partial = torch.empty(c * s.splits * 2, dtype=torch.float64, device=dev)
+        s = _bn.shape(
+            dev.index, _impl.DTYPE_NAMES[x.dtype], mode.act, cl, n, x.shape[2] * x.shape[3], c
+        )
+        y = x if mode.inplace else torch.empty_like(x)
+        mask = None
+        if mode.grad and not mode.inplace and mode.act != "identity":
+            mask = torch.empty(-(-n // 32), dtype=torch.int32, device=dev)
+        plan = _bn.plan(s, x.data_ptr(), y.data_ptr())
+        stats = torch.empty(2 * c, dtype=torch.float32, device=dev)  # mean, invstd
+        work = torch.empty(_bn.work_doubles(s, plan), dtype=torch.float64, device=dev)
+        mean = stats.data_ptr()
         buffers = _bn.Buffers(
             x.data_ptr(), 0, y.data_ptr(), _ptr(mask), _ptr(weight), _ptr(bias),
-            mean.data_ptr(), invstd.data_ptr(), partial.data_ptr(),
-            _ptr(running_mean), _ptr(running_var), 0, 0, 0,
+            mean, mean + 4 * c, work.data_ptr(), _ptr(running_mean), _ptr(running_var),
+            0, 0, _bn.coef_address(s, plan, work.data_ptr()),
         )  # fmt: skip
-        _bn.forward(s, torch.cuda.current_stream(dev).cuda_stream, buffers, factor, eps, slope)
-        ctx.save_for_backward(x, weight, mean, invstd, mask)
-        ctx.args = (s, slope)
+        stream = _impl._raw_stream(dev.index)
+        _bn.forward(s, plan, stream, buffers, factor, eps, mode.slope, mode.evaluate)
+        if mode.inplace:
+            ctx.mark_dirty(x)
+        ctx.save_for_backward(y if mode.inplace else x, weight, bias, stats, mask)
+        ctx.args = (s, mode)
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gy):
-        x, weight, mean, invstd, mask = ctx.saved_tensors
-        s, slope = ctx.args
+        src, weight, bias, stats, mask = ctx.saved_tensors
+        s, mode = ctx.args
         fmt = torch.channels_last if s.channels_last else torch.contiguous_format
         gy = gy.contiguous(memory_format=fmt)
-        dev, c = x.device, s.channels
-        dx = torch.empty_like(x)
+        dev, c = src.device, s.channels
+        dx = torch.empty_like(src)
         need_w, need_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        gw = torch.empty(c, dtype=torch.float32, device=dev) if need_w else None
-        gb = torch.empty(c, dtype=torch.float32, device=dev) if need_b else None
-        coef = torch.empty(2 * c, dtype=torch.float32, device=dev)
-        partial = torch.empty(c * s.splits * 2, dtype=torch.float64, device=dev)
+        grads = torch.empty(2 * c, dtype=torch.float32, device=dev) if need_w or need_b else None
+        gw = grads[:c] if need_w else None
+        gb = grads[c:] if need_b else None
+        plan = _bn.plan(s, src.data_ptr(), gy.data_ptr(), dx.data_ptr())
+        work = torch.empty(_bn.work_doubles(s, plan), dtype=torch.float64, device=dev)
+        mean = stats.data_ptr()
         buffers = _bn.Buffers(
-            x.data_ptr(), gy.data_ptr(), dx.data_ptr(), _ptr(mask), _ptr(weight), 0,
-            mean.data_ptr(), invstd.data_ptr(), partial.data_ptr(), 0, 0,
-            _ptr(gw), _ptr(gb), coef.data_ptr(),
+            src.data_ptr(), gy.data_ptr(), dx.data_ptr(), _ptr(mask), _ptr(weight), _ptr(bias),
+            mean, mean + 4 * c, work.data_ptr(), 0, 0, _ptr(gw), _ptr(gb),
+            _bn.coef_address(s, plan, work.data_ptr()),
         )  # fmt: skip
-        _bn.backward(s, torch.cuda.current_stream(dev).cuda_stream, buffers, slope)
-        return dx, gw, gb, None, None, None, None, None, None
+        stream = _impl._raw_stream(dev.index)
+        _bn.backward(s, plan, stream, buffers, mode.slope, mode.evaluate, mode.inplace)
+        return dx, gw, gb, None, None, None, None, None
 
 
-def _fused(bn: nn.BatchNorm2d, act: str, slope: float) -> BatchNormAct2d:
+# Function.apply's Python wrapper (argument binding, functorch unwrapping) is
+# not needed where _fusable holds (no transform active); its C++ apply is
+# called directly, with the public apply as the fallback.
+try:
+    _apply_fused = super(torch.autograd.Function, FusedBatchNormAct).apply
+except AttributeError:  # pragma: no cover - depends on the torch version
+    _apply_fused = FusedBatchNormAct.apply
+
+
+def _fused(bn: nn.BatchNorm2d, act: str, slope: float, memory: str) -> BatchNormAct2d:
     """A BatchNormAct2d holding bn's own parameters and buffers (optimizers and
-    other references to them stay valid) and its training flag."""
+    other references to them stay valid) and its training flag; ``memory``
+    "inplace" where the activation allows it, else "default"."""
+    if memory == "inplace" and not (act == "identity" or (act == "leaky_relu" and slope > 0)):
+        memory = "default"
     new = BatchNormAct2d(
         bn.num_features,
         bn.eps,
@@ -237,6 +315,7 @@ def _fused(bn: nn.BatchNorm2d, act: str, slope: float) -> BatchNormAct2d:
         act_layer=act,
         act_kwargs={"negative_slope": slope} if act == "leaky_relu" else None,
         device="meta",
+        memory=memory,
     )
     new._parameters = dict(bn._parameters)
     new._buffers = dict(bn._buffers)
@@ -265,7 +344,7 @@ def _is_timm_bn_act(module: nn.Module) -> bool:
     )
 
 
-def fuse_batchnorm_act(model: nn.Module) -> tuple[nn.Module, int]:
+def fuse_batchnorm_act(model: nn.Module, memory: str = "default") -> tuple[nn.Module, int]:
     """Swap BatchNorm + activation pairs for ``BatchNormAct2d``, in place.
 
     Fuses timm's ``BatchNormAct2d`` (whose dropout is the identity) and, in
@@ -277,6 +356,14 @@ def fuse_batchnorm_act(model: nn.Module) -> tuple[nn.Module, int]:
     ``nn.SyncBatchNorm``, with a warning: its statistics are reduced across
     processes, ``BatchNormAct2d``'s are local, as ``nn.BatchNorm2d``'s.
 
+    ``memory="inplace"`` makes a fused module write over its input (see
+    ``BatchNormAct2d``) where that input is known to be a convolution's output
+    that nothing else reads: the BatchNorm follows an ``nn.Conv2d`` in an
+    ``nn.Sequential``, or is the ``bn`` of timm's ``ConvNormAct`` (whose
+    forward is conv, then bn); where the activation is invertible
+    (identity, LeakyReLU with a positive slope); and where ``weight`` has no
+    zero now (a warning names those that do). The others get the default.
+
     Returns:
         ``(model, count)``: the model (a new module when ``model`` itself is
         timm's ``BatchNormAct2d``) and how many pairs were fused.
@@ -285,17 +372,22 @@ def fuse_batchnorm_act(model: nn.Module) -> tuple[nn.Module, int]:
         raise TypeError(
             f"fuse_batchnorm_act: model must be a torch.nn.Module, got {type(model).__name__}"
         )
+    _memory_mode(memory, "identity", 0.0)  # (a bad value raises, naming it)
     if _is_timm_bn_act(model):
-        new = _from_timm(model)
+        new = _from_timm(model, "default")
         return (new, 1) if new is not None else (model, 0)
-    count, synced = 0, []
+    count, synced, zeroed = 0, [], []
     for path, parent in list(model.named_modules()):
         children = list(parent._modules.items())
         for i, (name, child) in enumerate(children):
             if isinstance(child, nn.SyncBatchNorm):
                 synced.append(f"{path}.{name}" if path else name)
             elif child is not None and _is_timm_bn_act(child):
-                new = _from_timm(child)
+                fresh = name == "bn" and _is_conv_norm_act(parent)
+                new = _from_timm(
+                    child,
+                    _mode_for(child, memory, fresh, zeroed, f"{path}.{name}" if path else name),
+                )
                 if new is not None:
                     parent._modules[name] = new
                     count += 1
@@ -304,9 +396,21 @@ def fuse_batchnorm_act(model: nn.Module) -> tuple[nn.Module, int]:
                     next_name, next_child = children[i + 1]
                     act = _act_of(next_child) if next_child is not None else None
                     if act is not None and act[0] != "identity":
-                        parent._modules[name] = _fused(child, *act)
+                        fresh = i > 0 and isinstance(children[i - 1][1], nn.Conv2d)
+                        mode = _mode_for(
+                            child, memory, fresh, zeroed, f"{path}.{name}" if path else name
+                        )
+                        parent._modules[name] = _fused(child, *act, mode)
                         parent._modules[next_name] = nn.Identity()
                         count += 1
+    if zeroed:
+        warnings.warn(
+            f"fuse_batchnorm_act: {len(zeroed)} BatchNorm(s) with a zero in their weight "
+            f"({', '.join(zeroed[:3])}{', ...' if len(zeroed) > 3 else ''}) keep "
+            f"memory='default': the in-place mode cannot recover xhat where weight is 0 "
+            f"(a zero-initialized last BatchNorm of a residual block, for example)",
+            stacklevel=2,
+        )
     if synced:
         warnings.warn(
             f"fuse_batchnorm_act: left {len(synced)} nn.SyncBatchNorm as they are "
@@ -317,9 +421,28 @@ def fuse_batchnorm_act(model: nn.Module) -> tuple[nn.Module, int]:
     return model, count
 
 
-def _from_timm(module: nn.Module) -> BatchNormAct2d | None:
+def _from_timm(module: nn.Module, memory: str) -> BatchNormAct2d | None:
     drop = getattr(module, "drop", None)
     act = _act_of(module.act)
     if act is None or (drop is not None and type(drop) is not nn.Identity):
         return None
-    return _fused(module, *act)
+    return _fused(module, *act, memory)
+
+
+def _mode_for(bn: nn.BatchNorm2d, memory: str, fresh: bool, zeroed: list, label: str) -> str:
+    """The fused module's memory mode: "inplace" only where asked for, the input
+    is a fresh convolution output and the weight has no zero (checked now,
+    once: a later exact zero is the in-place mode's documented condition)."""
+    if memory != "inplace" or not fresh:
+        return "default"
+    if bn.weight is not None and bool((bn.weight == 0).any()):
+        zeroed.append(label)
+        return "default"
+    return memory
+
+
+def _is_conv_norm_act(module: nn.Module) -> bool:
+    """timm's ConvNormAct (by name and shape): forward is conv, then bn."""
+    return type(module).__name__ in ("ConvNormAct", "ConvNormActAa") and isinstance(
+        getattr(module, "conv", None), nn.Conv2d
+    )
