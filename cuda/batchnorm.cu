@@ -179,6 +179,20 @@ __device__ __forceinline__ void bn_accumulate(const BnParams& p, long long i,
   }
 }
 
+// The block's (a, b) pairs summed into s1[0], s2[0]: a fixed-order tree.
+__device__ __forceinline__ void bn_block_sum(double* s1, double* s2, double a, double b) {
+  s1[threadIdx.x] = a;
+  s2[threadIdx.x] = b;
+  __syncthreads();
+  for (int h = kBnThreads / 2; h > 0; h /= 2) {
+    if (threadIdx.x < h) {
+      s1[threadIdx.x] += s1[threadIdx.x + h];
+      s2[threadIdx.x] += s2[threadIdx.x + h];
+    }
+    __syncthreads();
+  }
+}
+
 // NCHW: block (split, channel); the block's threads walk the channel's N planes
 // a vector at a time, then one fixed-order tree.
 template <typename T, int V, int P, int A>
@@ -196,16 +210,7 @@ __device__ __forceinline__ void bn_reduce_planes(const BnParams& p) {
     const long long i = (img * p.channels + c) * p.inner + (j - img * p.inner);
     bn_accumulate<T, V, P, A, 1>(p, i, ctr, scl, a, b);
   }
-  s1[threadIdx.x] = a[0];
-  s2[threadIdx.x] = b[0];
-  __syncthreads();
-  for (int h = kBnThreads / 2; h > 0; h /= 2) {
-    if (threadIdx.x < h) {
-      s1[threadIdx.x] += s1[threadIdx.x + h];
-      s2[threadIdx.x] += s2[threadIdx.x + h];
-    }
-    __syncthreads();
-  }
+  bn_block_sum(s1, s2, a[0], b[0]);
   if (threadIdx.x == 0) {
     double* out = p.partial + (c * p.splits + blockIdx.x) * 2;
     out[0] = s1[0];
@@ -289,16 +294,7 @@ __device__ __forceinline__ void bn_sum_partials(const BnParams& p, long long c, 
     a += p.partial[(c * p.splits + s) * 2];
     b += p.partial[(c * p.splits + s) * 2 + 1];
   }
-  s1[threadIdx.x] = a;
-  s2[threadIdx.x] = b;
-  __syncthreads();
-  for (int h = kBnThreads / 2; h > 0; h /= 2) {
-    if (threadIdx.x < h) {
-      s1[threadIdx.x] += s1[threadIdx.x + h];
-      s2[threadIdx.x] += s2[threadIdx.x + h];
-    }
-    __syncthreads();
-  }
+  bn_block_sum(s1, s2, a, b);
   a = s1[0];
   b = s2[0];
 }

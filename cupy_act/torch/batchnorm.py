@@ -275,7 +275,7 @@ class FusedBatchNormAct(torch.autograd.Function):
         dev, c = src.device, s.channels
         dx = torch.empty_like(src)
         need_w, need_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        grads = torch.empty(2 * c, dtype=torch.float32, device=dev) if need_w or need_b else None
+        grads = torch.empty(2 * c, dtype=torch.float32, device=dev)  # (weight, bias)
         gw = grads[:c] if need_w else None
         gb = grads[c:] if need_b else None
         plan = _bn.plan(s, src.data_ptr(), gy.data_ptr(), dx.data_ptr())
@@ -376,7 +376,9 @@ def fuse_batchnorm_act(model: nn.Module, memory: str = "default") -> tuple[nn.Mo
     if _is_timm_bn_act(model):
         new = _from_timm(model, "default")
         return (new, 1) if new is not None else (model, 0)
-    count, synced, zeroed = 0, [], []
+    count = 0
+    synced: list[str] = []
+    zeroed: list[str] = []
     for path, parent in list(model.named_modules()):
         children = list(parent._modules.items())
         for i, (name, child) in enumerate(children):
