@@ -54,6 +54,8 @@ struct BnParams {
   float* grad_weight;     // [C] or null
   float* grad_bias;       // [C] or null
   float4* coef;           // [C] the elementwise pass's per-channel constants
+  long long* num_batches; // or null: num_batches_tracked, incremented once by a training
+                          // forward (here rather than a separate launch on the host)
   long long n;            // elements
   long long inner;        // H x W
   long long channels;
@@ -310,6 +312,7 @@ __device__ __forceinline__ float bn_bias(const BnParams& p, long long c) {
 // the running statistics' update, and coef = (mean, invstd * w, b) for bn_forward.
 __global__ void __launch_bounds__(kBnThreads) bn_finalize_stats(const BnParams p) {
   const long long c = blockIdx.x;
+  if (p.num_batches != nullptr && c == 0 && threadIdx.x == 0) *p.num_batches += 1;
   double mean, var;
   if (p.flags & kEval) {
     if (threadIdx.x != 0) return;

@@ -26,9 +26,9 @@ VECTOR = {"float32": 4, "float16": 8, "bfloat16": 8}
 # Activations whose input the output determines (the in-place mode's backward).
 INVERTIBLE = ("identity", "leaky_relu")
 
-# BnParams: 14 pointers, 4 long longs, 4 doubles, a float and an int.
-_PARAMS = struct.Struct("<14Q4q4dfi")
-assert _PARAMS.size == 184
+# BnParams: 15 pointers, 4 long longs, 4 doubles, a float and an int.
+_PARAMS = struct.Struct("<15Q4q4dfi")
+assert _PARAMS.size == 192
 _scratch = _launch._Scratch(_PARAMS.size)
 
 
@@ -94,6 +94,7 @@ class Buffers(NamedTuple):
     grad_weight: int
     grad_bias: int
     coef: int
+    num_batches: int  # num_batches_tracked, incremented by the forward
 
 
 def _sm_count(device: int) -> int:
@@ -135,12 +136,19 @@ class Plan(NamedTuple):
     splits: int
 
 
+_plans: dict[tuple, Plan] = {}  # (Shape, aligned) -> Plan
+
+
 def plan(s: Shape, *pointers: int) -> Plan:
     """The pass's plan: 16-byte vectors where the shape allows them and every
     pointer given is 16-byte aligned; about 32 reduction blocks per
     multiprocessor over all channels, each block's share at least 2048
-    elements."""
-    v = VECTOR[s.dtype] if s.vector and all(p % 16 == 0 for p in pointers) else 1
+    elements. Kept per (shape, alignment)."""
+    aligned = s.vector and not any(p & 15 for p in pointers)
+    found = _plans.get((s, aligned))
+    if found is not None:
+        return found
+    v = VECTOR[s.dtype] if aligned else 1
     if s.channels_last:
         cols = s.channels // v
         tiles = -(-cols // min(cols, 32))
@@ -148,7 +156,11 @@ def plan(s: Shape, *pointers: int) -> Plan:
         tiles = s.channels
     per_tile = max(1, s.n // max(tiles, 1))
     want = max(1, (32 * _sm_count(s.device)) // max(tiles, 1))
-    return Plan(v, int(max(1, min(want, -(-per_tile // 2048), 65535))))
+    found = Plan(v, int(max(1, min(want, -(-per_tile // 2048), 65535))))
+    if len(_plans) > 4096:  # (shapes that keep changing: start over)
+        _plans.clear()
+    _plans[(s, aligned)] = found
+    return found
 
 
 _launches: dict[tuple, tuple] = {}  # (Shape, Plan, kernels) -> ((ptr, ctx, grid), ...)
@@ -202,15 +214,26 @@ def _scalars(s: Shape, p: Plan, momentum, eps, slope, flags) -> tuple:
             1.0 / s.channels, slope, flags)  # fmt: skip
 
 
-def work_doubles(s: Shape, p: Plan) -> int:
-    """Doubles of one pass's scratch buffer: the partial sums (channels x
-    splits x 2), then coef (a float4, two doubles, per channel)."""
-    return s.channels * (2 * p.splits + 2)
+def _head_doubles(s: Shape) -> int:
+    return (s.channels + 1) & ~1  # 2 x channels floats, to a 16-byte boundary
 
 
-def coef_address(s: Shape, p: Plan, work: int) -> int:
-    """b.coef inside the scratch buffer at address ``work``."""
-    return work + 16 * s.channels * p.splits
+def scratch_doubles(s: Shape, p: Plan) -> int:
+    """Doubles of one pass's buffer (one allocation): 2 x channels floats (the
+    forward's mean and invstd; unused by the backward), then the work area:
+    the partial sums (channels x splits x 2) and coef (a float4, two doubles,
+    per channel)."""
+    return _head_doubles(s) + s.channels * (2 * p.splits + 2)
+
+
+def work_address(s: Shape, scratch: int) -> int:
+    """b.partial inside the buffer at address ``scratch`` (16-byte aligned)."""
+    return scratch + 8 * _head_doubles(s)
+
+
+def coef_address(s: Shape, p: Plan, scratch: int) -> int:
+    """b.coef inside the buffer at address ``scratch``."""
+    return work_address(s, scratch) + 16 * s.channels * p.splits
 
 
 _FORWARD = ("reduce0", "finalize_stats", "forward")

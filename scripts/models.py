@@ -26,7 +26,11 @@ Eager table (every --batches):
   floor    each activation replaced by a Python ``autograd.Function`` that only
            calls PyTorch's own op and backward: what any Python autograd path
            costs on the host, with nothing of ours in it;
-  ours     ``cupy_act.torch.replace_activations(model)``.
+  ours     ``cupy_act.torch.replace_activations(model)``;
+  --bn: ours+bn / ours+bn-inplace   ``fuse_batchnorm_act(model, memory=...)`` too;
+        ours+bn-floor   ours+bn whose BatchNorm Function launches nothing (the
+                        adapter's host floor: its losses are garbage, not compared);
+        eager-cl        eager in channels-last, losses only: float32 noise.
 Compiled table (--compile-batches; ``torch.compile(model)``, static shapes):
   compile / ours+compile                  mode "default", PyTorch's / ours;
   reduce-overhead / ours+RO               mode "reduce-overhead" (CUDA graphs);
@@ -67,6 +71,7 @@ from cupy_act.torch import _traced
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import step_profile  # noqa: E402  (device time by kernel kind)
+from overhead import BareBatchNormAct  # noqa: E402  (the fused BatchNorm's floor)
 from train import mlp_model  # noqa: E402  (the project's MLP)
 
 
@@ -179,9 +184,13 @@ class Run:
             to_floor(model)
         elif variant == "ours" or ours:
             ct.replace_activations(model)
-        elif variant in BN_VARIANTS:  # BatchNorm + activation fused, the rest ours
-            ct.fuse_batchnorm_act(model, memory=BN_VARIANTS[variant])
+        elif variant in BN_VARIANTS or variant == BN_FLOOR:  # BatchNorm + act fused, the rest ours
+            ct.fuse_batchnorm_act(model, memory=BN_VARIANTS.get(variant, "default"))
             ct.replace_activations(model)
+        elif variant == NOISE:
+            model.to(memory_format=torch.channels_last)
+        # BatchNormAct2d's autograd Function (the floor: one that launches nothing)
+        self.apply_fused = BareBatchNormAct.apply if variant == BN_FLOOR else _APPLY_FUSED
         self.graphs = mode == "reduce-overhead"
         self.fn = model if mode is None else torch.compile(model, mode=mode, dynamic=False)
         self.opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -191,6 +200,7 @@ class Run:
         # the knobs this variant was compiled with (Dynamo guards on them)
         _traced.ACT_MASK = self.mask
         ct.set_compile_route(self.route)
+        ct.batchnorm._apply_fused = self.apply_fused
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()
         self.opt.zero_grad(set_to_none=True)
@@ -200,14 +210,16 @@ class Run:
         return loss.detach().clone()  # (a CUDA graph's output is overwritten by the next run)
 
     def block_ms(self, data) -> float:
-        """Wall milliseconds per step of a block; self.host_ms: the thread's CPU
-        milliseconds per step before the final synchronization (what Python and
-        the launches cost; the step time where it exceeds the device time)."""
+        """Wall milliseconds per step of a block; self.host_ms: the process's CPU
+        milliseconds per step before the final synchronization, all threads
+        (the backward's host work runs on autograd's device thread): what
+        Python and the launches cost, the step time where it exceeds the
+        device time."""
         sync()
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0 = time.perf_counter(), time.process_time()
         for x, t in data:
             self.step(x, t)
-        self.host_ms = (time.thread_time() - c0) * 1e3 / len(data)
+        self.host_ms = (time.process_time() - c0) * 1e3 / len(data)
         sync()
         return (time.perf_counter() - t0) * 1e3 / len(data)
 
@@ -243,6 +255,12 @@ def graph_pool_mib() -> float:
 
 EAGER_VARIANTS = ("eager", "floor", "ours")
 BN_VARIANTS = {"ours+bn": "default", "ours+bn-inplace": "inplace"}  # (--bn) fuser's memory mode
+# --bn: ours+bn with BareBatchNormAct for the kernels' Function (timed only:
+# its losses are garbage), the step's host floor for this design; and eager
+# PyTorch in channels-last (losses only), whose difference from eager's
+# losses is float32 noise: other convolution and BatchNorm kernels.
+BN_FLOOR, NOISE = "ours+bn-floor", "eager-cl"
+_APPLY_FUSED = ct.batchnorm._apply_fused
 
 
 def batches(shape, classes, integer, batch, args):
@@ -273,8 +291,8 @@ def measure(name, eager, shape, classes, integer, batch, args):
     losses = {}
     if torch.backends.cudnn.benchmark:  # cuDNN's algorithm search (and its workspaces) first
         Run(eager, "eager", device, classes).step(*data[0])
-    variants = EAGER_VARIANTS + (tuple(BN_VARIANTS) if args.bn else ())
-    for v in variants:  # losses and peak memory, one variant at a time
+    variants = EAGER_VARIANTS + ((*BN_VARIANTS, BN_FLOOR) if args.bn else ())
+    for v in variants + ((NOISE,) if args.bn else ()):  # losses, peak memory, one at a time
 
         def train(v=v):
             run = Run(eager, v, device, classes)
@@ -283,7 +301,7 @@ def measure(name, eager, shape, classes, integer, batch, args):
         losses[v], row[f"{v} MiB"] = peak_memory_mib(train)
     for v in ("floor", "ours"):
         row[f"{v} bit-equal"] = same_bits(losses[v], losses["eager"])
-    for v in BN_VARIANTS if args.bn else ():  # (statistics in other kernels: not bit-equal)
+    for v in (*BN_VARIANTS, NOISE) if args.bn else ():  # (other kernels: not bit-equal)
         diff = (losses[v] - losses["eager"]).abs() / losses["eager"].abs()
         row[f"{v} loss max rel diff"] = diff.max().item()
     runs = {v: Run(eager, v, device, classes) for v in variants}
@@ -595,6 +613,8 @@ def print_bn(r: dict) -> None:
     """The fused BatchNorm rows, and every eager variant's host time per step
     (CPU time of the launching thread: the step's floor where the device is
     faster)."""
+    noise = r[f"{NOISE} loss max rel diff"]
+    print(f"    float32 noise: eager channels-last's losses within {noise:.1e} of eager's")
     for v in BN_VARIANTS:
         ms, mib = r[f"{v} ms"], r[f"{v} MiB"]
         print(
@@ -603,8 +623,16 @@ def print_bn(r: dict) -> None:
             f" {r[f'{v} loss max rel diff']:.1e} of eager's",
             flush=True,
         )
-    hosts = ", ".join(f"{v} {r[f'{v} host ms']:.2f}" for v in (*EAGER_VARIANTS, *BN_VARIANTS))
-    print(f"    host ms per step: {hosts}", flush=True)
+    floor = r[f"{BN_FLOOR} ms"]
+    print(
+        f"    floor: {BN_FLOOR} (the adapter, no kernels) {floor:.2f} ms"
+        f" ({floor / r['eager ms']:.3f}x eager); ours+bn {r['ours+bn ms'] / floor:.3f}x it,"
+        f" in place / default {r['ours+bn-inplace ms'] / r['ours+bn ms']:.3f}x",
+        flush=True,
+    )
+    variants = (*EAGER_VARIANTS, *BN_VARIANTS, BN_FLOOR)
+    hosts = ", ".join(f"{v} {r[f'{v} host ms']:.2f}" for v in variants)
+    print(f"    host (process CPU) ms per step: {hosts}", flush=True)
 
 
 def print_bn_against_compile(rows: list, compiled: dict) -> None:

@@ -19,6 +19,13 @@ with a copy and cupy.maximum as further anchors. Last come the floors: the
 design floor (``bare_relu``: relu with nothing but the necessary work), also
 as a Function of our signature (5 inputs, ctx.args, no materialized grads),
 and a Python autograd.Function around torch's own relu.
+
+``--bn``: instead, BatchNorm + LeakyReLU on a small N x C x H x W tensor
+(``--shape``), training, the input a non-leaf and the parameters trained:
+PyTorch's pair (``nn.BatchNorm2d``, ``nn.LeakyReLU(inplace=True)``),
+``cupy_act.torch.BatchNormAct2d`` in both memory modes, and its floor: the
+same module and bookkeeping with ``BareBatchNormAct`` in place of the kernels'
+Function (it allocates what ours allocates and launches nothing).
 """
 
 from __future__ import annotations
@@ -58,7 +65,12 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--no-cupy", action="store_true", help="skip the CuPy API rows")
+    ap.add_argument("--bn", action="store_true", help="the BatchNorm + LeakyReLU rows only")
+    ap.add_argument("--shape", nargs=4, type=int, default=[8, 64, 16, 16], help="for --bn")
     args = ap.parse_args()
+    if args.bn:
+        bn_rows(args.shape, args.calls, args.repeats)
+        return
     x = torch.randn(args.n, device="cuda")
     xg = x.clone().requires_grad_(True)
     g = torch.randn_like(x)
@@ -330,6 +342,86 @@ def design_floor_rows(x, xg, g, calls: int, repeats: int) -> None:
         f"design floor in our Function's shape (5 inputs, ctx.args, no materialized "
         f"grads), relu fwd+bwd: {t_shaped:.2f} us = {t_shaped / t_ref:.2f}x"
     )
+
+
+class BareBatchNormAct(torch.autograd.Function):
+    """The floor of the fused BatchNorm's adapter: ``FusedBatchNormAct``'s
+    signature and allocations (output, mask, statistics and scratch; dx, the
+    parameter gradients and scratch) with no kernel launched. Its outputs
+    hold garbage, and ``num_batches_tracked`` is not counted."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, count, factor, eps, mode):
+        c = x.shape[1]
+        y = x if mode.inplace else torch.empty_like(x)
+        mask = torch.empty(-(-x.numel() // 32), dtype=torch.int32, device=x.device)
+        stats = torch.empty(4 * c, dtype=torch.float64, device=x.device)  # (and scratch)
+        if mode.inplace:
+            ctx.mark_dirty(x)
+        ctx.save_for_backward(x, weight, bias, stats, mask)
+        ctx.args = mode
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy):
+        x, weight, bias, stats, mask = ctx.saved_tensors
+        c = x.shape[1]
+        grads = torch.empty(2 * c, device=x.device)
+        torch.empty(4 * c, dtype=torch.float64, device=x.device)  # (the scratch buffer)
+        return torch.empty_like(x), grads[:c], grads[c:], *(None,) * 6
+
+
+def bare_batchnorm(fn):
+    """fn with BatchNormAct2d's kernels replaced by BareBatchNormAct."""
+    from cupy_act.torch import batchnorm
+
+    def bare(*args):
+        saved = batchnorm._apply_fused
+        batchnorm._apply_fused = BareBatchNormAct.apply
+        try:
+            return fn(*args)
+        finally:
+            batchnorm._apply_fused = saved
+
+    return bare
+
+
+def bn_rows(shape, calls: int, repeats: int) -> None:
+    """Host time per call of BatchNorm + LeakyReLU: PyTorch's pair, ours in both
+    memory modes, and ours with no kernels (the adapter's floor)."""
+    from torch import nn
+
+    n, c, h, w = shape
+    x = torch.randn(n, c, h, w, device="cuda", requires_grad=True)
+    g = torch.randn_like(x)
+    pair = nn.Sequential(nn.BatchNorm2d(c), nn.LeakyReLU(0.01, inplace=True)).cuda()
+    mods = {
+        "pytorch": pair,
+        "ours": ct.BatchNormAct2d(c, act_layer="leaky_relu").cuda(),
+        "ours in place": ct.BatchNormAct2d(c, act_layer="leaky_relu", memory="inplace").cuda(),
+    }
+    mods["floor (no kernels)"] = bare_batchnorm(mods["ours"])
+
+    def params(m):
+        return tuple(getattr(m, "parameters", lambda: mods["ours"].parameters())())
+
+    def forward(m):
+        return lambda: m(x * 1)
+
+    def fwd_bwd(m):
+        wrt = (x, *params(m))
+        return lambda: torch.autograd.grad(m(x * 1), wrt, g)
+
+    print(
+        f"\nBatchNorm + LeakyReLU host time per call, {tuple(shape)} float32, training,"
+        f" {torch.cuda.get_device_name()}, torch {torch.__version__}"
+    )
+    print(f"{'':22s}" + "".join(f"{k:>20s}" for k in mods))
+    for what, make in (("fwd (grad)", forward), ("fwd+bwd", fwd_bwd)):
+        us = per_call_us([make(m) for m in mods.values()], calls, repeats)
+        cells = "".join(f"{t:12.2f} us {t / us[0]:4.2f}x" for t in us)
+        print(f"{what:22s}{cells}", flush=True)
 
 
 class _TorchRelu(torch.autograd.Function):

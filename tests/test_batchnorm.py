@@ -261,7 +261,7 @@ def test_launch_plan(act, channels_last, monkeypatch):
     s = _batchnorm.shape(0, "bfloat16", act, channels_last, 32 * 48 * 64 * 64, 64 * 64, 48)
     p = _batchnorm.plan(s, 256, 512)
     assert p.width == 8 and _batchnorm.plan(s, 256, 520).width == 1
-    buffers = _batchnorm.Buffers(*range(14))
+    buffers = _batchnorm.Buffers(*range(15))
     _batchnorm.forward(s, p, 0, buffers, 0.1, 1e-5, 0.01)
     _batchnorm.backward(s, p, 0, buffers, 0.01)
     _batchnorm.forward(s, p, 0, buffers, 0.1, 1e-5, 0.01, evaluate=True)
@@ -429,6 +429,68 @@ def test_fused_kernels_save_a_mask_or_the_output(memory):
             (y + s).sum().backward()
     else:
         (y + s).sum().backward()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("memory", ["default", "inplace"])
+def test_batches_are_counted_by_the_kernels_and_in_cuda_graphs(memory):
+    """The training forward's kernels count num_batches_tracked (once per call,
+    not in eval), also when replayed from a CUDA graph, whose replays repeat
+    the eager steps' outputs, gradients and running statistics bit for bit.
+    A count on another device takes PyTorch's path."""
+    ours = ct.BatchNormAct2d(6, act_layer="leaky_relu", memory=memory).cuda()
+    eager = copy.deepcopy(ours)
+    x = torch.randn(4, 6, 5, 7, device="cuda")
+    gy = torch.randn_like(x)
+    for _ in range(3):
+        eager(x.clone()).backward(gy)
+    eager.eval()
+    eager(x.clone())
+    assert eager.num_batches_tracked.item() == 3
+    eager.train()
+
+    graphed = copy.deepcopy(ours)
+    static_x = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # (warm-up on a side stream, as torch.cuda.graphs asks)
+        graphed(static_x.clone()).backward(gy)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.no_grad():
+        graphed.running_mean.zero_(), graphed.running_var.fill_(1)
+        graphed.num_batches_tracked.zero_()
+    graphed.zero_grad(set_to_none=False)  # (the graph accumulates into these)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = graphed(static_x.clone())
+        y.backward(gy)
+    with torch.no_grad():  # (capture ran nothing: start from the eager model's state)
+        graphed.running_mean.zero_(), graphed.running_var.fill_(1)
+        graphed.num_batches_tracked.zero_()
+    ys = []
+    for _ in range(3):
+        graphed.zero_grad(set_to_none=False)
+        graph.replay()
+        ys.append(y.clone())
+    torch.cuda.synchronize()
+    want = copy.deepcopy(ours)
+    for i in range(3):
+        want.zero_grad(set_to_none=True)
+        yw = want(x.clone())
+        yw.backward(gy)
+        testing.assert_bits_equal(ys[i], yw, f"replay {i}")
+    assert graphed.num_batches_tracked.item() == want.num_batches_tracked.item() == 3
+    for name in ("running_mean", "running_var", "weight", "bias"):
+        a, b = getattr(graphed, name), getattr(want, name)
+        if name in ("weight", "bias"):
+            a, b = a.grad, b.grad
+        testing.assert_bits_equal(a, b, name)
+
+    other = copy.deepcopy(ours)
+    other.num_batches_tracked = other.num_batches_tracked.cpu()
+    assert not ct.batchnorm._fusable(other, x)
+    other(x.clone())
+    assert other.num_batches_tracked.item() == 1
 
 
 @pytest.mark.gpu

@@ -174,7 +174,8 @@ _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _fusable(m: BatchNormAct2d, x: torch.Tensor) -> bool:
-    """A dense 4-D CUDA tensor, float32 parameters and buffers, outside
+    """A dense 4-D CUDA tensor, float32 parameters and buffers (an int64
+    ``num_batches_tracked``, which the kernels count) on its device, outside
     torch.compile, torch.func transforms and forward-mode AD."""
     if not (FUSED and x.is_cuda and x.dim() == 4 and x.dtype in _FUSED_DTYPES):
         return False
@@ -182,6 +183,9 @@ def _fusable(m: BatchNormAct2d, x: torch.Tensor) -> bool:
         return False
     tensors = (m.weight, m.bias, m.running_mean, m.running_var)
     if any(t is not None and (t.dtype != torch.float32 or t.device != x.device) for t in tensors):
+        return False
+    count = m.num_batches_tracked
+    if count is not None and (count.dtype != torch.int64 or count.device != x.device):
         return False
     per_channel = x.numel() // max(x.shape[1], 1)
     if per_channel <= (1 if _batch_statistics(m) else 0) or x.shape[1] > 65535:
@@ -200,19 +204,24 @@ def _fused_forward(m: BatchNormAct2d, x: torch.Tensor) -> torch.Tensor:
     """nn.BatchNorm2d.forward's running-statistics bookkeeping, then the kernels."""
     factor = 0.0 if m.momentum is None else m.momentum
     batch = _batch_statistics(m)
+    count = None  # num_batches_tracked where the kernels increment it
     if m.training and m.track_running_stats and m.num_batches_tracked is not None:
-        m.num_batches_tracked.add_(1)
-        if m.momentum is None:  # cumulative moving average
+        if m.momentum is None:  # cumulative moving average: the factor needs the count now
+            m.num_batches_tracked.add_(1)
             factor = 1.0 / float(m.num_batches_tracked)
+        else:
+            count = m.num_batches_tracked
     # running statistics: updated (training) or used (eval)
     running = (m.running_mean, m.running_var)
     if batch and not (m.training and m.track_running_stats):
         running = (None, None)
-    grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, m.weight, m.bias)
+    grad = torch.is_grad_enabled() and (
+        x.requires_grad
+        or (m.weight is not None and m.weight.requires_grad)
+        or (m.bias is not None and m.bias.requires_grad)
     )
     mode = _Mode(m.act, m.negative_slope, not batch, m.memory == "inplace", grad)
-    return _apply_fused(x, m.weight, m.bias, *running, float(factor), float(m.eps), mode)
+    return _apply_fused(x, m.weight, m.bias, *running, count, float(factor), float(m.eps), mode)
 
 
 class _Mode(NamedTuple):
@@ -237,7 +246,7 @@ class FusedBatchNormAct(torch.autograd.Function):
     double backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, factor, eps, mode: _Mode):
+    def forward(ctx, x, weight, bias, running_mean, running_var, count, factor, eps, mode: _Mode):
         cl = not x.is_contiguous()
         n, c = x.numel(), x.shape[1]
         dev = x.device
@@ -249,13 +258,13 @@ class FusedBatchNormAct(torch.autograd.Function):
         if mode.grad and not mode.inplace and mode.act != "identity":
             mask = torch.empty(-(-n // 32), dtype=torch.int32, device=dev)
         plan = _bn.plan(s, x.data_ptr(), y.data_ptr())
-        stats = torch.empty(2 * c, dtype=torch.float32, device=dev)  # mean, invstd
-        work = torch.empty(_bn.work_doubles(s, plan), dtype=torch.float64, device=dev)
+        # mean and invstd (kept for the backward), then the work area
+        stats = torch.empty(_bn.scratch_doubles(s, plan), dtype=torch.float64, device=dev)
         mean = stats.data_ptr()
         buffers = _bn.Buffers(
             x.data_ptr(), 0, y.data_ptr(), _ptr(mask), _ptr(weight), _ptr(bias),
-            mean, mean + 4 * c, work.data_ptr(), _ptr(running_mean), _ptr(running_var),
-            0, 0, _bn.coef_address(s, plan, work.data_ptr()),
+            mean, mean + 4 * c, _bn.work_address(s, mean), _ptr(running_mean),
+            _ptr(running_var), 0, 0, _bn.coef_address(s, plan, mean), _ptr(count),
         )  # fmt: skip
         stream = _impl._raw_stream(dev.index)
         _bn.forward(s, plan, stream, buffers, factor, eps, mode.slope, mode.evaluate)
@@ -272,23 +281,24 @@ class FusedBatchNormAct(torch.autograd.Function):
         s, mode = ctx.args
         fmt = torch.channels_last if s.channels_last else torch.contiguous_format
         gy = gy.contiguous(memory_format=fmt)
-        dev, c = src.device, s.channels
+        c = s.channels
         dx = torch.empty_like(src)
-        need_w, need_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        grads = torch.empty(2 * c, dtype=torch.float32, device=dev)  # (weight, bias)
-        gw = grads[:c] if need_w else None
-        gb = grads[c:] if need_b else None
         plan = _bn.plan(s, src.data_ptr(), gy.data_ptr(), dx.data_ptr())
-        work = torch.empty(_bn.work_doubles(s, plan), dtype=torch.float64, device=dev)
-        mean = stats.data_ptr()
+        # (the gradients apart from the work area: a parameter's .grad may
+        # keep its storage)
+        grads = torch.empty(2 * c, device=src.device)
+        gw = grads[:c] if ctx.needs_input_grad[1] else None
+        gb = grads[c:] if ctx.needs_input_grad[2] else None
+        work = torch.empty(_bn.scratch_doubles(s, plan), dtype=torch.float64, device=src.device)
+        mean, w = stats.data_ptr(), work.data_ptr()
         buffers = _bn.Buffers(
             src.data_ptr(), gy.data_ptr(), dx.data_ptr(), _ptr(mask), _ptr(weight), _ptr(bias),
-            mean, mean + 4 * c, work.data_ptr(), 0, 0, _ptr(gw), _ptr(gb),
-            _bn.coef_address(s, plan, work.data_ptr()),
+            mean, mean + 4 * c, _bn.work_address(s, w), 0, 0, _ptr(gw), _ptr(gb),
+            _bn.coef_address(s, plan, w), 0,
         )  # fmt: skip
-        stream = _impl._raw_stream(dev.index)
+        stream = _impl._raw_stream(s.device)
         _bn.backward(s, plan, stream, buffers, mode.slope, mode.evaluate, mode.inplace)
-        return dx, gw, gb, None, None, None, None, None
+        return dx, gw, gb, None, None, None, None, None, None
 
 
 # Function.apply's Python wrapper (argument binding, functorch unwrapping) is
