@@ -464,6 +464,42 @@ def test_auto_picks_a_candidate_and_caches_it():
     testing.assert_bits_equal(y, ct.conv2d_div_leaky_relu(x, w, b, algorithm=picked[0]))
 
 
+@pytest.fixture
+def deterministic_cudnn(monkeypatch):
+    """cuDNN's deterministic algorithms (its weight gradient may otherwise sum
+    in a different order run to run)."""
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+
+
+@gpu
+@pytest.mark.usefixtures("deterministic_cudnn")
+def test_auto_times_forward_and_backward_when_training():
+    """A call that needs a gradient is chosen by forward + backward time, in its
+    own cache entry, on detached copies: the caller's gradients come only from
+    its own backward, equal to the picked algorithm's."""
+    x, w, b = _xwb((4, 8, 30, 30), (16, 8, 3, 3), "cuda")
+    w.requires_grad_(True), b.requires_grad_(True)
+    y = ct.conv2d_div_leaky_relu(x, w, b, algorithm="auto")
+    assert w.grad is None and b.grad is None
+    entries = {k[-1]: v for k, v in conv.auto_choices().items() if k[2] == tuple(x.shape)}
+    assert set(entries) == {True}, entries  # (keyed by training)
+    picked = entries[True]
+    assert picked in conv.candidates(torch.float32, False)
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    w2, b2 = w.detach().clone().requires_grad_(True), b.detach().clone().requires_grad_(True)
+    y2 = ct.conv2d_div_leaky_relu(x, w2, b2, algorithm=picked)
+    y2.backward(gy)
+    testing.assert_bits_equal(y, y2)
+    testing.assert_bits_equal(w.grad, w2.grad)
+    testing.assert_bits_equal(b.grad, b2.grad)
+    with torch.no_grad():
+        ct.conv2d_div_leaky_relu(x, w, b, algorithm="auto")
+    entries = {k[-1] for k in conv.auto_choices() if k[2] == tuple(x.shape)}
+    assert entries == {True, False}
+
+
 @gpu
 def test_fused_falls_back_where_it_does_not_apply():
     """float64 and an asymmetric 'same' padding run the exact path: bit for bit eager."""

@@ -13,7 +13,9 @@ with a choice of algorithm.
 - ``"fused_tf32"``: the fused kernel with one TF32 pass (torch.compile's
   accuracy); the same as ``"fused"`` for 16-bit types.
 - ``"auto"``: the fastest of the above for this shape and device, timed on
-  first use and cached, among those whose accuracy ``allow_tf32`` permits.
+  first use and cached, among those whose accuracy ``allow_tf32`` permits;
+  where the call needs a gradient, the fastest forward + backward (timed on
+  detached copies: the caller's gradients are not touched).
 
 Where the fused kernel does not apply (CPU tensors, float64, a padding string
 it cannot express, an image beyond 2^31 elements) ``"fused"`` falls back to
@@ -213,15 +215,16 @@ def conv2d_div_leaky_relu(
     """
     _check(input, weight, bias, divisor, negative_slope, algorithm)
     pad = _padding(padding, weight, dilation, stride)
+    needs_grad = torch.is_grad_enabled() and (
+        input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
     if algorithm == "auto":
         algorithm = _choose(
-            input, weight, bias, divisor, negative_slope, stride, pad, dilation, padding, allow_tf32
-        )
+            input, weight, bias, divisor, negative_slope, stride, pad, dilation, padding,
+            allow_tf32, needs_grad,
+        )  # fmt: skip
     tf32 = algorithm == "fused_tf32"
     if algorithm.startswith("fused") and _fusable(input, weight, pad, stride, dilation, tf32):
-        needs_grad = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (input, weight, bias)
-        )
         s = list(_conv.pair(stride, "stride", FNAME, 1))
         d = list(_conv.pair(dilation, "dilation", FNAME, 1))
         args = (input, weight, bias, float(divisor), float(negative_slope), s, list(pad), d, tf32)
@@ -319,8 +322,12 @@ def candidates(dtype: torch.dtype, allow_tf32: bool) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _choose(x, weight, bias, divisor, slope, stride, pad, dilation, padding, allow_tf32) -> str:
-    """The cached or newly measured fastest candidate for this call's shape."""
+def _choose(
+    x, weight, bias, divisor, slope, stride, pad, dilation, padding, allow_tf32, training
+) -> str:
+    """The cached or newly measured fastest candidate for this call's shape:
+    forward alone, or where ``training`` (the call needs a gradient) forward
+    and backward for the inputs that need one."""
     if not x.is_cuda:
         return "exact"
     key = (
@@ -335,6 +342,7 @@ def _choose(x, weight, bias, divisor, slope, stride, pad, dilation, padding, all
         str(dilation),
         allow_tf32,
         torch.backends.cudnn.allow_tf32,
+        training,
     )
     choice = _choices.get(key)
     if choice is not None:
@@ -347,12 +355,39 @@ def _choose(x, weight, bias, divisor, slope, stride, pad, dilation, padding, all
     if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return "fused" if fusable["fused"] else "exact"
     names = [a for a in candidates(x.dtype, allow_tf32) if fusable.get(a, True)]
-    args = (x, weight, bias, divisor, slope, stride, padding, dilation)
-    runs = {a: functools.partial(conv2d_div_leaky_relu, *args, algorithm=a) for a in names}
-    with torch.no_grad():
-        times = testing.interleaved_median_ms(runs)
+    if training:
+        times = testing.interleaved_median_ms(
+            {a: _training_step(x, weight, bias, divisor, slope, stride, padding, dilation, a)
+             for a in names}
+        )  # fmt: skip
+    else:
+        args = (x, weight, bias, divisor, slope, stride, padding, dilation)
+        runs = {a: functools.partial(conv2d_div_leaky_relu, *args, algorithm=a) for a in names}
+        with torch.no_grad():
+            times = testing.interleaved_median_ms(runs)
     choice = _choices[key] = min(times, key=times.__getitem__)
     return choice
+
+
+def _training_step(x, weight, bias, divisor, slope, stride, padding, dilation, algorithm):
+    """A forward and backward of ``algorithm`` on detached copies of the
+    inputs (the caller's .grad untouched), for the inputs that need a
+    gradient, from a random upstream gradient in the output's layout."""
+    xl, wl = (t.detach().requires_grad_(t.requires_grad) for t in (x, weight))
+    bl = None if bias is None else bias.detach().requires_grad_(bias.requires_grad)
+    wrt = [t for t in (xl, wl, bl) if t is not None and t.requires_grad]
+    run = functools.partial(
+        conv2d_div_leaky_relu, xl, wl, bl, divisor, slope, stride, padding, dilation,
+        algorithm=algorithm,
+    )  # fmt: skip
+    with torch.no_grad():
+        gy = torch.randn_like(run())
+
+    def step():
+        with torch.enable_grad():
+            torch.autograd.grad(run(), wrt, gy)
+
+    return step
 
 
 def auto_choices() -> dict[tuple, str]:
