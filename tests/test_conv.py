@@ -476,11 +476,14 @@ def deterministic_cudnn(monkeypatch):
 @pytest.mark.usefixtures("deterministic_cudnn")
 def test_auto_times_forward_and_backward_when_training():
     """A call that needs a gradient is chosen by forward + backward time, in its
-    own cache entry, on detached copies: the caller's gradients come only from
-    its own backward, equal to the picked algorithm's."""
+    own cache entry, on detached views: the caller's gradients come only from
+    its own backward, equal to the picked algorithm's, and its random state
+    is not drawn from."""
     x, w, b = _xwb((4, 8, 30, 30), (16, 8, 3, 3), "cuda")
     w.requires_grad_(True), b.requires_grad_(True)
+    state = torch.cuda.get_rng_state()
     y = ct.conv2d_div_leaky_relu(x, w, b, algorithm="auto")
+    assert torch.equal(torch.cuda.get_rng_state(), state)
     assert w.grad is None and b.grad is None
     entries = {k[-1]: v for k, v in conv.auto_choices().items() if k[2] == tuple(x.shape)}
     assert set(entries) == {True}, entries  # (keyed by training)

@@ -15,7 +15,7 @@ with a choice of algorithm.
 - ``"auto"``: the fastest of the above for this shape and device, timed on
   first use and cached, among those whose accuracy ``allow_tf32`` permits;
   where the call needs a gradient, the fastest forward + backward (timed on
-  detached copies: the caller's gradients are not touched).
+  detached views: the caller's gradients and random state are not touched).
 
 Where the fused kernel does not apply (CPU tensors, float64, a padding string
 it cannot express, an image beyond 2^31 elements) ``"fused"`` falls back to
@@ -370,9 +370,10 @@ def _choose(
 
 
 def _training_step(x, weight, bias, divisor, slope, stride, padding, dilation, algorithm):
-    """A forward and backward of ``algorithm`` on detached copies of the
+    """A forward and backward of ``algorithm`` on detached views of the
     inputs (the caller's .grad untouched), for the inputs that need a
-    gradient, from a random upstream gradient in the output's layout."""
+    gradient, from a random upstream gradient in the output's layout (drawn
+    from a generator of its own: the caller's random state is untouched)."""
     xl, wl = (t.detach().requires_grad_(t.requires_grad) for t in (x, weight))
     bl = None if bias is None else bias.detach().requires_grad_(bias.requires_grad)
     wrt = [t for t in (xl, wl, bl) if t is not None and t.requires_grad]
@@ -381,7 +382,8 @@ def _training_step(x, weight, bias, divisor, slope, stride, padding, dilation, a
         algorithm=algorithm,
     )  # fmt: skip
     with torch.no_grad():
-        gy = torch.randn_like(run())
+        y = run()
+        gy = torch.empty_like(y).normal_(generator=torch.Generator(y.device).manual_seed(0))
 
     def step():
         with torch.enable_grad():
