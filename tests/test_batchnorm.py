@@ -432,6 +432,29 @@ def test_fused_kernels_save_a_mask_or_the_output(memory):
 
 
 @pytest.mark.gpu
+def test_float64_default_dtype_does_not_change_the_kernels_buffers():
+    """The kernels write float32 statistics and gradients whatever
+    torch.get_default_dtype() says: the same bits with float64 as default."""
+    ours = ct.BatchNormAct2d(6, act_layer="leaky_relu").cuda()
+    x = torch.randn(4, 6, 5, 7, device="cuda")
+    gy = torch.randn_like(x)
+    got = []
+    for default in (torch.float32, torch.float64):
+        m = copy.deepcopy(ours)
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(default)
+        try:
+            xi = x.clone().requires_grad_(True)
+            m(xi * 1).backward(gy)
+        finally:
+            torch.set_default_dtype(old)
+        got.append([xi.grad, m.weight.grad, m.bias.grad, m.running_mean, m.running_var])
+    for a, e in zip(*got):
+        assert a.dtype == e.dtype == torch.float32
+        testing.assert_bits_equal(a, e)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("memory", ["default", "inplace"])
 def test_batches_are_counted_by_the_kernels_and_in_cuda_graphs(memory):
     """The training forward's kernels count num_batches_tracked (once per call,

@@ -286,7 +286,7 @@ class FusedBatchNormAct(torch.autograd.Function):
         plan = _bn.plan(s, src.data_ptr(), gy.data_ptr(), dx.data_ptr())
         # (the gradients apart from the work area: a parameter's .grad may
         # keep its storage)
-        grads = torch.empty(2 * c, device=src.device)
+        grads = torch.empty(2 * c, dtype=torch.float32, device=src.device)
         gw = grads[:c] if ctx.needs_input_grad[1] else None
         gb = grads[c:] if ctx.needs_input_grad[2] else None
         work = torch.empty(_bn.scratch_doubles(s, plan), dtype=torch.float64, device=src.device)
