@@ -52,12 +52,17 @@ _ACT_CLASSES = {
 MEMORY = ("default", "inplace")
 
 
+def _invertible(act: str, slope: float) -> bool:
+    """Whether the activation's output determines its input (the in-place mode)."""
+    return act in _bn.INVERTIBLE and (act != "leaky_relu" or slope > 0)
+
+
 def _memory_mode(memory, act: str, slope: float) -> str:
     if memory not in MEMORY:
         raise ValueError(
             f"BatchNormAct2d: memory={memory!r} is not supported; expected one of {MEMORY}"
         )
-    if memory == "inplace" and not (act == "identity" or (act == "leaky_relu" and slope > 0)):
+    if memory == "inplace" and not _invertible(act, slope):
         what = f"leaky_relu with negative_slope={slope}" if act == "leaky_relu" else act
         raise ValueError(
             f"BatchNormAct2d: memory='inplace' needs an invertible activation (identity, or "
@@ -314,7 +319,7 @@ def _fused(bn: nn.BatchNorm2d, act: str, slope: float, memory: str) -> BatchNorm
     """A BatchNormAct2d holding bn's own parameters and buffers (optimizers and
     other references to them stay valid) and its training flag; ``memory``
     "inplace" where the activation allows it, else "default"."""
-    if memory == "inplace" and not (act == "identity" or (act == "leaky_relu" and slope > 0)):
+    if memory == "inplace" and not _invertible(act, slope):
         memory = "default"
     new = BatchNormAct2d(
         bn.num_features,
