@@ -1,15 +1,23 @@
 // batchnorm.cu: BatchNorm (2-D, per-channel statistics over N x H x W) fused
 // with an activation and its 1-bit mask.
 //
-//   training forward:  bn_reduce<T, CL, V, kStats>  partial sums of x and x^2 per (channel, split)
-//                      bn_finalize_stats            (a block per channel) mean, invstd,
-//                                                   running statistics, coef
+//   training forward:  bn_reduce<T, CL, V, kStats>  partial sums of x and x^2 per (channel, split),
+//                                                   then (NCHW: the channel's last block;
+//                      bn_finalize<kStats>           channels-last: a block per channel) mean,
+//                                                   invstd, running statistics, coef
 //                      bn_forward<T, CL, V, A>      y = act((x - mean) * invstd * w + b), mask
-//   eval forward:      bn_finalize_stats (kEval: from the running statistics), bn_forward
+//   eval forward:      bn_finalize_eval (from the running statistics), bn_forward
 //   backward:          bn_reduce<T, CL, V, kGrad, A>  partial sums of dz and dz * xhat, where
-//                                                    dz = act'(mask) * dy, xhat = (x - mean) * invstd
-//                      bn_finalize_grad             grad_bias = sum dz, grad_weight = sum dz * xhat, coef
+//                                                    dz = act'(mask) * dy, xhat = (x - mean) * invstd,
+//                      (or bn_finalize<kGrad>)       then grad_bias = sum dz, grad_weight =
+//                                                    sum dz * xhat, coef
 //                      bn_backward<T, CL, V, A, Out> dx = (dz - mean(dz) - xhat * mean(dz xhat)) * invstd * w
+//
+// NCHW finishes each channel in the reduction's last block to arrive (a
+// counter per channel in p.arrivals, zero before the launch and set back to
+// zero by that block): two launches per pass instead of three. A
+// channels-last tile holds up to 256 channels whose partial sums one block
+// would read alone, so it keeps the separate finishing launch.
 //
 // From the output (kFromOutput, the in-place mode: the forward wrote y over x
 // and the backward has only y): z = act^-1(y) (identity, or LeakyReLU with a
@@ -56,6 +64,7 @@ struct BnParams {
   float4* coef;           // [C] the elementwise pass's per-channel constants
   long long* num_batches; // or null: num_batches_tracked, incremented once by a training
                           // forward (here rather than a separate launch on the host)
+  u32* arrivals;          // [C] (NCHW reductions): zero at launch, and again at exit
   long long n;            // elements
   long long inner;        // H x W
   long long channels;
@@ -195,6 +204,94 @@ __device__ __forceinline__ void bn_block_sum(double* s1, double* s2, double a, d
   }
 }
 
+// Channel c's partial sums: thread t takes splits t, t + 256, ... in order,
+// then a fixed-order tree; the totals land in thread 0 (with thousands of
+// splits, one thread's dependent loads would take longer than the reduction
+// itself). Loads from L2 (__ldcg): other blocks of the same launch may have
+// written them.
+__device__ __forceinline__ void bn_sum_partials(const BnParams& p, long long c, double* s1,
+                                                double* s2, double& a, double& b) {
+  a = 0.0;
+  b = 0.0;
+  for (long long s = threadIdx.x; s < p.splits; s += kBnThreads) {
+    a += __ldcg(p.partial + (c * p.splits + s) * 2);
+    b += __ldcg(p.partial + (c * p.splits + s) * 2 + 1);
+  }
+  bn_block_sum(s1, s2, a, b);
+  a = s1[0];
+  b = s2[0];
+}
+
+__device__ __forceinline__ float bn_weight(const BnParams& p, long long c) {
+  return p.weight != nullptr ? p.weight[c] : 1.f;
+}
+__device__ __forceinline__ float bn_bias(const BnParams& p, long long c) {
+  return p.bias != nullptr ? p.bias[c] : 0.f;
+}
+
+// mean and invstd of channel c, and coef = (mean, invstd * w, b) for bn_forward.
+__device__ __forceinline__ void bn_set_stats(const BnParams& p, long long c, double mean,
+                                             double var) {
+  const float invstd = (float)(1.0 / sqrt(var + p.eps));
+  p.mean[c] = (float)mean;
+  p.invstd[c] = invstd;
+  p.coef[c] = make_float4((float)mean, invstd * bn_weight(p, c), bn_bias(p, c), 0.f);
+}
+
+// One thread: channel c's statistics from its sums, and the running statistics' update.
+__device__ __forceinline__ void bn_finish_stats(const BnParams& p, long long c, double sum,
+                                                double sumsq) {
+  if (p.num_batches != nullptr && c == 0) *p.num_batches += 1;
+  const double count = (double)(p.n / p.channels);
+  const double mean = sum / count;
+  double var = sumsq / count - mean * mean;  // biased: what normalizes
+  if (var < 0.0) var = 0.0;
+  if (p.running_mean != nullptr) {
+    const double m = p.momentum;
+    p.running_mean[c] = (float)((1.0 - m) * p.running_mean[c] + m * mean);
+    // unbiased, as PyTorch keeps it (callers refuse a single value per channel)
+    p.running_var[c] = (float)((1.0 - m) * p.running_var[c] + m * var * count / (count - 1.0));
+  }
+  bn_set_stats(p, c, mean, var);
+}
+
+// One thread: grad_bias = sum dz, grad_weight = sum dz * xhat, and coef = (ctr,
+// k, g, h) for bn_backward's dx = k * dz - (v - ctr) * g - h, with k = invstd * w and
+//   from x:      ctr = mean, g = invstd * mean(dz xhat) * k, h = mean(dz) * k
+//   from output: ctr = b,    g = invstd * mean(dz xhat),     h = mean(dz) * k
+// (xhat = (v - ctr) * invstd, or (v - ctr) / w); kEval: g = h = 0, the running
+// statistics being constants.
+__device__ __forceinline__ void bn_finish_grad(const BnParams& p, long long c, double sum_dz,
+                                               double sum_dzx) {
+  if (p.grad_bias != nullptr) p.grad_bias[c] = (float)sum_dz;
+  if (p.grad_weight != nullptr) p.grad_weight[c] = (float)sum_dzx;
+  const bool out = p.flags & kFromOutput;
+  const double invstd = p.invstd[c], k = invstd * bn_weight(p, c);
+  const float ctr = out ? bn_bias(p, c) : p.mean[c];
+  double g = 0.0, h = 0.0;
+  // (w = 0 from the output: xhat is lost and sum dz * xhat NaN, but dx = k * (...)
+  // is 0; g = 0 keeps it so)
+  if (!(p.flags & kEval) && !(out && k == 0.0)) {
+    const double count = (double)(p.n / p.channels);
+    g = invstd * (sum_dzx / count) * (out ? 1.0 : k);
+    h = (sum_dz / count) * k;
+  }
+  p.coef[c] = make_float4(ctr, (float)k, (float)g, (float)h);
+}
+
+// The block: channel c's partial sums, then its statistics (kStats) or gradients.
+template <int P>
+__device__ __forceinline__ void bn_finish(const BnParams& p, long long c, double* s1, double* s2) {
+  double a, b;
+  bn_sum_partials(p, c, s1, s2, a, b);
+  if (threadIdx.x == 0) {
+    if (P == kStats)
+      bn_finish_stats(p, c, a, b);
+    else
+      bn_finish_grad(p, c, a, b);
+  }
+}
+
 // NCHW: block (split, channel); the block's threads walk the channel's N planes
 // a vector at a time, then one fixed-order tree.
 template <typename T, int V, int P, int A>
@@ -213,11 +310,19 @@ __device__ __forceinline__ void bn_reduce_planes(const BnParams& p) {
     bn_accumulate<T, V, P, A, 1>(p, i, ctr, scl, a, b);
   }
   bn_block_sum(s1, s2, a[0], b[0]);
+  __shared__ bool last;
   if (threadIdx.x == 0) {
     double* out = p.partial + (c * p.splits + blockIdx.x) * 2;
     out[0] = s1[0];
     out[1] = s2[0];
+    __threadfence();  // (the sums visible before the arrival)
+    last = atomicAdd(p.arrivals + c, 1u) == gridDim.x - 1;
   }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  if (threadIdx.x == 0) p.arrivals[c] = 0u;  // (for the next reduction on the stream)
+  bn_finish<P == kStats ? kStats : kGrad>(p, c, s1, s2);
 }
 
 // Channels-last: a block holds a tile of W = min(C / V, 32) vector columns
@@ -283,87 +388,17 @@ __global__ void __launch_bounds__(kBnThreads) bn_reduce(const BnParams p) {
     bn_reduce_planes<T, V, P, A>(p);
 }
 
-// Per channel, one block: the splits' partial sums, thread t taking splits t,
-// t + 256, ... in order, then a fixed-order tree; the totals land in thread 0
-// (with thousands of splits, one thread's dependent loads would take longer
-// than the reduction itself).
-__device__ __forceinline__ void bn_sum_partials(const BnParams& p, long long c, double& a,
-                                                double& b) {
+// Channels-last reductions: a block per channel.
+template <int P>
+__global__ void __launch_bounds__(kBnThreads) bn_finalize(const BnParams p) {
   __shared__ double s1[kBnThreads], s2[kBnThreads];
-  a = 0.0;
-  b = 0.0;
-  for (long long s = threadIdx.x; s < p.splits; s += kBnThreads) {
-    a += p.partial[(c * p.splits + s) * 2];
-    b += p.partial[(c * p.splits + s) * 2 + 1];
-  }
-  bn_block_sum(s1, s2, a, b);
-  a = s1[0];
-  b = s2[0];
+  bn_finish<P>(p, blockIdx.x, s1, s2);
 }
 
-__device__ __forceinline__ float bn_weight(const BnParams& p, long long c) {
-  return p.weight != nullptr ? p.weight[c] : 1.f;
-}
-__device__ __forceinline__ float bn_bias(const BnParams& p, long long c) {
-  return p.bias != nullptr ? p.bias[c] : 0.f;
-}
-
-// mean and invstd (from the partial sums, or kEval: the running statistics),
-// the running statistics' update, and coef = (mean, invstd * w, b) for bn_forward.
-__global__ void __launch_bounds__(kBnThreads) bn_finalize_stats(const BnParams p) {
-  const long long c = blockIdx.x;
-  if (p.num_batches != nullptr && c == 0 && threadIdx.x == 0) *p.num_batches += 1;
-  double mean, var;
-  if (p.flags & kEval) {
-    if (threadIdx.x != 0) return;
-    mean = p.running_mean[c];
-    var = p.running_var[c];
-  } else {
-    double sum, sumsq;
-    bn_sum_partials(p, c, sum, sumsq);
-    if (threadIdx.x != 0) return;
-    const double count = (double)(p.n / p.channels);
-    mean = sum / count;
-    var = sumsq / count - mean * mean;  // biased: what normalizes
-    if (var < 0.0) var = 0.0;
-    if (p.running_mean != nullptr) {
-      const double m = p.momentum;
-      p.running_mean[c] = (float)((1.0 - m) * p.running_mean[c] + m * mean);
-      // unbiased, as PyTorch keeps it (callers refuse a single value per channel)
-      p.running_var[c] = (float)((1.0 - m) * p.running_var[c] + m * var * count / (count - 1.0));
-    }
-  }
-  const float invstd = (float)(1.0 / sqrt(var + p.eps));
-  p.mean[c] = (float)mean;
-  p.invstd[c] = invstd;
-  p.coef[c] = make_float4((float)mean, invstd * bn_weight(p, c), bn_bias(p, c), 0.f);
-}
-
-// grad_bias = sum dz, grad_weight = sum dz * xhat, and coef = (ctr, k, g, h) for
-// bn_backward's dx = k * dz - (v - ctr) * g - h, with k = invstd * w and
-//   from x:      ctr = mean, g = invstd * mean(dz xhat) * k, h = mean(dz) * k
-//   from output: ctr = b,    g = invstd * mean(dz xhat),     h = mean(dz) * k
-// (xhat = (v - ctr) * invstd, or (v - ctr) / w); kEval: g = h = 0, the running
-// statistics being constants.
-__global__ void __launch_bounds__(kBnThreads) bn_finalize_grad(const BnParams p) {
-  const long long c = blockIdx.x;
-  double sum_dz, sum_dzx;
-  bn_sum_partials(p, c, sum_dz, sum_dzx);
-  if (threadIdx.x != 0) return;
-  if (p.grad_bias != nullptr) p.grad_bias[c] = (float)sum_dz;
-  if (p.grad_weight != nullptr) p.grad_weight[c] = (float)sum_dzx;
-  const bool out = p.flags & kFromOutput;
-  const double invstd = p.invstd[c], k = invstd * bn_weight(p, c);
-  const float ctr = out ? bn_bias(p, c) : p.mean[c];
-  double g = 0.0, h = 0.0;
-  // (w = 0 from the output: xhat is lost and sum dz * xhat NaN, but dx = k * (...)
-  // is 0; g = 0 keeps it so)
-  if (!(p.flags & kEval) && !(out && k == 0.0)) {
-    const double count = (double)(p.n / p.channels);
-    g = invstd * (sum_dzx / count) * (out ? 1.0 : k);
-    h = (sum_dz / count) * k;
-  }
-  p.coef[c] = make_float4(ctr, (float)k, (float)g, (float)h);
+// Eval: a thread per channel, from the running statistics.
+__global__ void __launch_bounds__(kBnThreads) bn_finalize_eval(const BnParams p) {
+  const long long c = (long long)blockIdx.x * kBnThreads + threadIdx.x;
+  if (c < p.channels) bn_set_stats(p, c, p.running_mean[c], p.running_var[c]);
 }
 
 // Each warp takes 32 consecutive vectors per trip; the G = 32 / V lanes that

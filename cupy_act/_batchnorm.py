@@ -3,7 +3,7 @@ compilation and the launches, on raw device pointers (no CuPy or torch arrays).
 
 One ``cupy.RawModule`` per dtype, compiled on the first call in that dtype.
 The torch adapter (``cupy_act.torch.batchnorm``) checks and allocates, then
-calls ``forward`` and ``backward`` here, on its current stream.
+``prepare``s each pass (once per shape) and ``run``s it on its current stream.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ VECTOR = {"float32": 4, "float16": 8, "bfloat16": 8}
 # Activations whose input the output determines (the in-place mode's backward).
 INVERTIBLE = ("identity", "leaky_relu")
 
-# BnParams: 15 pointers, 4 long longs, 4 doubles, a float and an int.
-_PARAMS = struct.Struct("<15Q4q4dfi")
-assert _PARAMS.size == 192
+# BnParams: 16 pointers, 4 long longs, 4 doubles, a float and an int.
+_PARAMS = struct.Struct("<16Q4q4dfi")
+assert _PARAMS.size == 200
 _scratch = _launch._Scratch(_PARAMS.size)
 
 
@@ -45,7 +45,8 @@ def _names(dtype: str) -> list[str]:
                 if act in INVERTIBLE:
                     names.append(f"cupy_act::bn_reduce<{t}, {cl}, {v}, {GRAD_FROM_OUTPUT}, {a}>")
                     names.append(f"cupy_act::bn_backward<{t}, {cl}, {v}, {a}, true>")
-    return names + ["cupy_act::bn_finalize_stats", "cupy_act::bn_finalize_grad"]
+    return names + [f"cupy_act::bn_finalize<{STATS}>", f"cupy_act::bn_finalize<{GRAD}>",
+                    "cupy_act::bn_finalize_eval"]  # fmt: skip
 
 
 def all_kernel_names() -> tuple[str, ...]:
@@ -95,6 +96,7 @@ class Buffers(NamedTuple):
     grad_bias: int
     coef: int
     num_batches: int  # num_batches_tracked, incremented by the forward
+    arrivals: int  # (NCHW reductions) channels x u32, zero at launch: see arrivals()
 
 
 def _sm_count(device: int) -> int:
@@ -163,16 +165,67 @@ def plan(s: Shape, *pointers: int) -> Plan:
     return found
 
 
-_launches: dict[tuple, tuple] = {}  # (Shape, Plan, kernels) -> ((ptr, ctx, grid), ...)
+class Pass(NamedTuple):
+    """One pass over one shape, prepared once (kept per shape, alignment and
+    pass): a call adds its pointers and scalars."""
+
+    shape: Shape
+    plan: Plan
+    doubles: int  # the call's buffer, in doubles: 2 x channels floats (the
+    # forward's mean and invstd; unused by the backward), then the work area:
+    # partial sums (channels x splits x 2) and coef (a float4 per channel)
+    work: int  # byte offsets in that buffer of b.partial and b.coef
+    coef: int
+    launches: tuple  # ((ptr, ctx, grid), ...) in order
+    counts: tuple  # (n, inner, channels, splits), then (1 / inner, 1 / channels)
+    inverses: tuple
+
+
+# The kernels of each pass, by channels_last: NCHW reductions finish their channels.
+PASSES: dict[str, dict[bool, tuple[str, ...]]] = {
+    "forward": {False: ("reduce0", "forward"), True: ("reduce0", "finalize0", "forward")},
+    "eval": {False: ("finalize_eval", "forward"), True: ("finalize_eval", "forward")},
+    "backward": {False: ("reduce1", "backward"), True: ("reduce1", "finalize1", "backward")},
+    "backward_from_output": {
+        False: ("reduce2", "backward_from_output"),
+        True: ("reduce2", "finalize1", "backward_from_output"),
+    },
+}
+_passes: dict[tuple, Pass] = {}  # (Shape, aligned, pass) -> Pass
+
+
+def prepare(s: Shape, pointers: int, which: str) -> Pass:
+    """The pass ``which`` (a key of PASSES) over shape ``s``; ``pointers``: the
+    call's array addresses OR-ed together (16-byte vectors need all aligned).
+    The forward's buffer is kept for its backward, which reads its head."""
+    aligned = s.vector and not pointers & 15
+    found = _passes.get((s, aligned, which))
+    if found is not None:
+        return found
+    p = plan(s, 0 if aligned else 1)
+    head = (s.channels + 1) & ~1  # 2 x channels floats, to a 16-byte boundary
+    work = 8 * head
+    launches = tuple(_launch_of(s, p, k) for k in PASSES[which][s.channels_last])
+    doubles = head + s.channels * (2 * p.splits + 2)
+    counts = (s.n, s.inner, s.channels, p.splits)
+    inverses = (1.0 / s.inner, 1.0 / s.channels)
+    found = Pass(s, p, doubles, work, work + 16 * s.channels * p.splits, launches, counts, inverses)
+    if len(_passes) > 4096:  # (shapes that keep changing: start over)
+        _passes.clear()
+    _passes[(s, aligned, which)] = found
+    return found
 
 
 def _launch_of(s: Shape, p: Plan, kernel: str) -> tuple:
-    """(ptr, ctx, grid) of one kernel of a pass: "finalize_stats" / "finalize_grad"
-    (a block per channel), "reduce<P>" (splits x channel tiles) or the
-    elementwise "forward" / "backward" / "backward_from_output" (grid-stride)."""
+    """(ptr, ctx, grid) of one kernel of a pass: "finalize<P>" (a block per
+    channel), "finalize_eval" (a thread per channel), "reduce<P>" (splits x
+    channel tiles) or the elementwise "forward" / "backward" /
+    "backward_from_output" (grid-stride)."""
     t, cl, a = CTYPES[s.dtype], "true" if s.channels_last else "false", ACTS[s.act]
-    if kernel.startswith("finalize"):
-        name, grid = f"cupy_act::bn_{kernel}", (s.channels, 1)
+    if kernel == "finalize_eval":
+        name, grid = "cupy_act::bn_finalize_eval", (-(-s.channels // THREADS), 1)
+    elif kernel.startswith("finalize"):
+        name, grid = f"cupy_act::bn_finalize<{kernel[-1]}>", (s.channels, 1)
     elif kernel.startswith("reduce"):
         pass_ = int(kernel[-1])
         name = f"cupy_act::bn_reduce<{t}, {cl}, {p.width}, {pass_}, {a if pass_ else 0}>"
@@ -193,72 +246,21 @@ def _launch_of(s: Shape, p: Plan, kernel: str) -> tuple:
     return k.ptr, k.ctx, grid
 
 
-def _run(s: Shape, p: Plan, kernels: tuple, stream: int, b: Buffers, scalars: tuple) -> None:
-    """A pass: its kernels in order, on one parameter block (the launch copies
-    it). Launch choices are kept per (shape, plan), so a model's repeated
-    layers cost a dictionary lookup."""
-    key = (s, p, kernels)
-    launches = _launches.get(key)
-    if launches is None:
-        if len(_launches) > 4096:  # (shapes that keep changing: start over)
-            _launches.clear()
-        launches = _launches[key] = tuple(_launch_of(s, p, k) for k in kernels)
-    _PARAMS.pack_into(_scratch.buf, 0, *b, *scalars)
-    argv = _scratch.argv_ptr
-    for ptr, ctx, grid in launches:
-        _launch.run(ptr, ctx, grid, THREADS, stream, argv)
+def run(ps: Pass, stream: int, b: Buffers, momentum: float, eps: float, slope: float,
+        flags: int) -> None:  # fmt: skip
+    """The pass's kernels in order on ``stream``, on one parameter block (each
+    launch copies it). Forward: y (and the mask, where b.mask) from the batch
+    statistics, updating the running statistics where b.running_mean ("eval":
+    from the running statistics); b.mean, b.invstd, b.coef receive those used;
+    b.y may be b.x (in place). Backward: weight and bias gradients (where
+    given), then dx into b.y; FROM_OUTPUT: b.x holds the forward's output (the
+    in-place mode); EVAL: the forward normalized with the running statistics."""
+    _PARAMS.pack_into(_scratch.buf, 0, *b, *ps.counts, momentum, eps, *ps.inverses, slope, flags)
+    _launch.run_all(ps.launches, THREADS, stream, _scratch.argv_ptr)
 
 
-def _scalars(s: Shape, p: Plan, momentum, eps, slope, flags) -> tuple:
-    return (s.n, s.inner, s.channels, p.splits, momentum, eps, 1.0 / s.inner,
-            1.0 / s.channels, slope, flags)  # fmt: skip
-
-
-def _head_doubles(s: Shape) -> int:
-    return (s.channels + 1) & ~1  # 2 x channels floats, to a 16-byte boundary
-
-
-def scratch_doubles(s: Shape, p: Plan) -> int:
-    """Doubles of one pass's buffer (one allocation): 2 x channels floats (the
-    forward's mean and invstd; unused by the backward), then the work area:
-    the partial sums (channels x splits x 2) and coef (a float4, two doubles,
-    per channel)."""
-    return _head_doubles(s) + s.channels * (2 * p.splits + 2)
-
-
-def work_address(s: Shape, scratch: int) -> int:
-    """b.partial inside the buffer at address ``scratch`` (16-byte aligned)."""
-    return scratch + 8 * _head_doubles(s)
-
-
-def coef_address(s: Shape, p: Plan, scratch: int) -> int:
-    """b.coef inside the buffer at address ``scratch``."""
-    return work_address(s, scratch) + 16 * s.channels * p.splits
-
-
-_FORWARD = ("reduce0", "finalize_stats", "forward")
-_FORWARD_EVAL = ("finalize_stats", "forward")
-
-
-def forward(s: Shape, p: Plan, stream: int, b: Buffers, momentum: float, eps: float,
-            slope: float, evaluate: bool = False) -> None:  # fmt: skip
-    """y (and the mask, where b.mask) from the batch statistics, updating the
-    running statistics where b.running_mean; ``evaluate``: from the running
-    statistics instead. b.mean, b.invstd (and b.coef) receive the statistics
-    used. b.y may be b.x (in place)."""
-    scalars = _scalars(s, p, momentum, eps, slope, EVAL if evaluate else 0)
-    _run(s, p, _FORWARD_EVAL if evaluate else _FORWARD, stream, b, scalars)
-
-
-_BACKWARD = {False: ("reduce1", "finalize_grad", "backward"),
-             True: ("reduce2", "finalize_grad", "backward_from_output")}  # fmt: skip
-
-
-def backward(s: Shape, p: Plan, stream: int, b: Buffers, slope: float, evaluate: bool = False,
-             from_output: bool = False) -> None:  # fmt: skip
-    """Weight and bias gradients (where given), then dx into b.y. ``from_output``:
-    b.x holds the forward's output (the in-place mode), b.weight and b.bias
-    its parameters; ``evaluate``: the forward normalized with the running
-    statistics."""
-    flags = (EVAL if evaluate else 0) | (FROM_OUTPUT if from_output else 0)
-    _run(s, p, _BACKWARD[from_output], stream, b, _scalars(s, p, 0.0, 0.0, slope, flags))
+def arrivals(s: Shape) -> int:
+    """u32 counters a training or backward pass needs in b.arrivals, zero at
+    launch (it leaves them zero): an NCHW reduction's last block per channel
+    finishes the channel; channels-last takes a separate launch and none."""
+    return 0 if s.channels_last else s.channels

@@ -161,3 +161,16 @@ def run(
     finally:
         if current:  # another context was current: give it back
             _ctx_set_current(current)
+
+
+def run_all(launches: tuple, threads: int, stream: int, argv: int) -> None:
+    """``run`` for each (ptr, ctx, grid) of ``launches`` (one context, one
+    parameter block) in order, checking the context once."""
+    current = _ctx_get_current()
+    ctx = launches[0][1]
+    if current != ctx:
+        for ptr, ctx, grid in launches:
+            run(ptr, ctx, grid, threads, stream, argv)
+        return
+    for ptr, _, grid in launches:
+        _launch_kernel(ptr, grid[0], grid[1], 1, threads, 1, 1, 0, stream, argv, 0)

@@ -55,6 +55,14 @@ if has sanitizer; then
     tests/test_conv.py -k "mask_decodes or empty_batch or (accuracy and (case3- or case17-))" \
     > "$OUT/sanitizer_conv.log" 2>&1
   echo "sanitizer rc=$?" >> "$OUT/sanitizer_conv.log"
+  # the fused BatchNorm: NCHW counters (the last block per channel finishes it), both layouts
+  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_batchnorm.py -k "nchw_reductions or cuda_graphs or (accuracy and float32 and 40)" \
+    > "$OUT/sanitizer_bn.log" 2>&1
+  echo "sanitizer rc=$?" >> "$OUT/sanitizer_bn.log"
+  timeout 200 compute-sanitizer --tool racecheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_batchnorm.py -k "nchw_reductions" >> "$OUT/sanitizer_bn.log" 2>&1
+  echo "racecheck rc=$?" >> "$OUT/sanitizer_bn.log"
 fi
 if has bench; then
   timeout ${BENCH_TIMEOUT:-330} python3 scripts/bench.py --out "$OUT/bench" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
@@ -108,6 +116,7 @@ for f in conf_a conf_b conf_2gpu conformance pytest; do
 done
 [ -f "$OUT/sanitizer.log" ] && grep -E "ERROR SUMMARY|passed|failed|rc=" "$OUT/sanitizer.log" | tail -n 4
 [ -f "$OUT/sanitizer_conv.log" ] && grep -E "ERROR SUMMARY|passed|failed|rc=" "$OUT/sanitizer_conv.log" | tail -n 4
+[ -f "$OUT/sanitizer_bn.log" ] && grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|rc=" "$OUT/sanitizer_bn.log" | tail -n 8
 [ -f "$OUT/conv.log" ] && grep -E "fwd|PASS|MISS" "$OUT/conv.log"
 [ -f "$OUT/bench.log" ] && grep -E "^  (PASS|MISS)|targets met|conv" "$OUT/bench.log"
 [ -f "$OUT/overhead.log" ] && grep -E "^==|fwd|floor|in place|_relu|anchors" "$OUT/overhead.log"

@@ -1,7 +1,7 @@
 """Train real models with PyTorch's activations and with cupy_act's, eager and compiled.
 
     PYTHONPATH=. python scripts/models.py [--models cspdarknet53 resnet50 opt mlp block]
-        [--batches 32] [--steps 6] [--rounds 5] [--compile-batches 32]
+        [--batches 32] [--steps 6] [--rounds 5] [--block N] [--compile-batches 32]
         [--compiled compile ours+compile reduce-overhead ours+RO]
         [--cudnn benchmark deterministic] [--json F] [--device cuda] [--small]
 
@@ -39,8 +39,9 @@ Compiled table (--compile-batches; ``torch.compile(model)``, static shapes):
   ours+kernels                            ours through the custom-op route.
 
 Printed per model and batch: the step time (forward, backward, optimizer step;
-median over --rounds blocks of --steps back-to-back steps, the variants of a
-table interleaved block by block), the peak memory of a step (eager: above what
+median over --rounds blocks of --block (default --steps) back-to-back steps,
+the variants of a table interleaved block by block; short blocks and many
+rounds ride out a noisy host better), the peak memory of a step (eager: above what
 was allocated before the model was built; compiled: a steady step after
 warm-up, above what was allocated before it; reduce-overhead also the memory of
 its CUDA-graph pool), and whether losses equal the reference's bit for bit
@@ -54,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import importlib
 import json
 import os
@@ -216,12 +218,29 @@ class Run:
         Python and the launches cost, the step time where it exceeds the
         device time."""
         sync()
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, g0 = time.perf_counter(), time.process_time(), _gc_seconds[0]
         for x, t in data:
             self.step(x, t)
         self.host_ms = (time.process_time() - c0) * 1e3 / len(data)
+        self.gc_ms = (_gc_seconds[0] - g0) * 1e3 / len(data)
         sync()
         return (time.perf_counter() - t0) * 1e3 / len(data)
+
+
+_gc_seconds = [0.0, 0.0]  # total, start of the collection under way
+
+
+def _gc_timer(phase: str, info: dict) -> None:
+    """gc.callbacks entry: Python's garbage collections, timed (a collection
+    lands on whichever variant is running; the step rows report them)."""
+    now = time.perf_counter()
+    if phase == "start":
+        _gc_seconds[1] = now
+    else:
+        _gc_seconds[0] += now - _gc_seconds[1]
+
+
+gc.callbacks.append(_gc_timer)
 
 
 def sync() -> None:
@@ -229,10 +248,10 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def peak_memory_mib(fn, empty_cache=True):
+def peak_memory_mib(fn, device, empty_cache=True):
     """(fn(), the peak memory fn allocated above what was allocated before, in MiB;
-    NaN without CUDA)."""
-    if not torch.cuda.is_available():
+    NaN off CUDA, also where a GPU is present but the run is on the CPU)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
         return fn(), float("nan")
     sync()
     if empty_cache:
@@ -298,14 +317,14 @@ def measure(name, eager, shape, classes, integer, batch, args):
             run = Run(eager, v, device, classes)
             return torch.stack([run.step(x, t) for x, t in data])
 
-        losses[v], row[f"{v} MiB"] = peak_memory_mib(train)
+        losses[v], row[f"{v} MiB"] = peak_memory_mib(train, device)
     for v in ("floor", "ours"):
         row[f"{v} bit-equal"] = same_bits(losses[v], losses["eager"])
     for v in (*BN_VARIANTS, NOISE) if args.bn else ():  # (other kernels: not bit-equal)
         diff = (losses[v] - losses["eager"]).abs() / losses["eager"].abs()
         row[f"{v} loss max rel diff"] = diff.max().item()
     runs = {v: Run(eager, v, device, classes) for v in variants}
-    interleave(runs, data, row, args.rounds)
+    interleave(runs, data[: args.block or None], row, args.rounds)
     if args.profile:
         row["profile"] = {
             v: step_profile.breakdown(lambda r=r: r.step(*data[0])) for v, r in runs.items()
@@ -319,13 +338,16 @@ def interleave(runs: dict, data, row: dict, rounds: int) -> None:
         r.block_ms(data)  # warm-up
     times = {v: [] for v in runs}
     host = {v: [] for v in runs}
+    collecting = {v: [] for v in runs}
     for _ in range(rounds):
         for v, r in runs.items():
             times[v].append(r.block_ms(data))
             host[v].append(r.host_ms)
+            collecting[v].append(r.gc_ms)
     for v in runs:
         row[f"{v} ms"] = statistics.median(times[v])
         row[f"{v} host ms"] = statistics.median(host[v])
+        row[f"{v} gc ms"] = statistics.mean(collecting[v])
 
 
 def measure_compiled(row, eager, shape, classes, integer, args):
@@ -348,7 +370,7 @@ def measure_compiled(row, eager, shape, classes, integer, args):
             row[f"{v} compile s"] = time.perf_counter() - t0
             for _ in range(2):  # warm-up (records the CUDA graphs)
                 run.block_ms(data)
-            _, row[f"{v} MiB"] = peak_memory_mib(lambda: run.block_ms(data), False)
+            _, row[f"{v} MiB"] = peak_memory_mib(lambda: run.block_ms(data), device, False)
             if run.graphs:
                 row[f"{v} pool MiB"] = graph_pool_mib() - pool0
             variants.append(v)
@@ -368,7 +390,7 @@ def measure_compiled(row, eager, shape, classes, integer, args):
         again = None
     _fresh()
     runs = {v: Run(eager, v, device, classes) for v in variants}
-    interleave(runs, data, row, args.rounds)
+    interleave(runs, data[: args.block or None], row, args.rounds)
     if args.profile:
         row["profile"] = {
             v: step_profile.breakdown(lambda r=r: r.step(*data[0])) for v, r in runs.items()
@@ -544,6 +566,7 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[32])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--block", type=int, default=0, help="steps per timed block (0: --steps)")
     ap.add_argument("--compile-batches", nargs="*", type=int, default=[32])
     default = ["compile", "ours+compile", "reduce-overhead", "ours+RO"]
     ap.add_argument("--compiled", nargs="*", default=default, choices=list(COMPILED))
@@ -566,8 +589,9 @@ def main() -> None:
         sys.exit("models.py: no CUDA device here (--device cpu --small runs anywhere)")
     where = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     print(
-        f"{where}, torch {torch.__version__}; step ms (median of {args.rounds} x "
-        f"{args.steps} steps), peak MiB of a step, losses over {args.steps} steps bit-equal"
+        f"{where}, torch {torch.__version__}; step ms (median of {args.rounds} blocks of "
+        f"{args.block or args.steps} steps), peak MiB of a step, losses over {args.steps} steps"
+        f" bit-equal"
     )
     rows: list[dict] = []
     for setting in args.cudnn:
@@ -633,6 +657,8 @@ def print_bn(r: dict) -> None:
     variants = (*EAGER_VARIANTS, *BN_VARIANTS, BN_FLOOR)
     hosts = ", ".join(f"{v} {r[f'{v} host ms']:.2f}" for v in variants)
     print(f"    host (process CPU) ms per step: {hosts}", flush=True)
+    gcs = ", ".join(f"{v} {r[f'{v} gc ms']:.2f}" for v in variants)
+    print(f"    Python garbage collection, mean ms per step: {gcs}", flush=True)
 
 
 def print_bn_against_compile(rows: list, compiled: dict) -> None:

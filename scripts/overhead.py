@@ -354,22 +354,23 @@ class BareBatchNormAct(torch.autograd.Function):
     def forward(ctx, x, weight, bias, running_mean, running_var, count, factor, eps, mode):
         c = x.shape[1]
         y = x if mode.inplace else torch.empty_like(x)
-        mask = torch.empty(-(-x.numel() // 32), dtype=torch.int32, device=x.device)
+        mask = None
+        if not mode.inplace:
+            mask = torch.empty(-(-x.numel() // 32), dtype=torch.int32, device=x.device)
         stats = torch.empty(4 * c, dtype=torch.float64, device=x.device)  # (and scratch)
         if mode.inplace:
             ctx.mark_dirty(x)
-        ctx.save_for_backward(x, weight, bias, stats, mask)
+        ctx.save_for_backward(y, weight, bias, stats, mask)
         ctx.args = mode
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, gy):
+    def backward(ctx, gy):  # (ours takes once_differentiable's wrapper only with create_graph)
         x, weight, bias, stats, mask = ctx.saved_tensors
         c = x.shape[1]
-        grads = torch.empty(2 * c, device=x.device)
+        gw, gb = torch.empty(c, device=x.device), torch.empty(c, device=x.device)
         torch.empty(4 * c, dtype=torch.float64, device=x.device)  # (the scratch buffer)
-        return torch.empty_like(x), grads[:c], grads[c:], *(None,) * 6
+        return torch.empty_like(x), gw, gb, *(None,) * 6
 
 
 def bare_batchnorm(fn):

@@ -243,9 +243,11 @@ def test_fuse_timm_cspdarknet53(monkeypatch):
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("act", ["relu", "leaky_relu", "identity"])
 def test_launch_plan(act, channels_last, monkeypatch):
-    """Each pass launches compiled instantiations; the reduction's grid is as
-    wide as the partial buffer the caller sized from ``Plan.splits``; 16-byte
-    vectors only where the shape and every pointer allow them."""
+    """Each pass launches compiled instantiations (NCHW: the reduction finishes
+    its channels, two launches a pass; channels-last: a finishing launch
+    between); the reduction's grid is as wide as the partial buffer the
+    caller sized from ``Plan.splits``; 16-byte vectors only where the shape
+    and every pointer allow them; zeroed counters asked for where needed."""
     from types import SimpleNamespace
 
     from cupy_act import _batchnorm
@@ -256,21 +258,34 @@ def test_launch_plan(act, channels_last, monkeypatch):
         _batchnorm, "_kernel", lambda d, t, name: SimpleNamespace(ptr=name, ctx=0, function=None)
     )
     monkeypatch.setattr(
-        _batchnorm._launch, "run", lambda ptr, ctx, grid, threads, *a: launched.append((ptr, grid))
+        _batchnorm._launch,
+        "run_all",
+        lambda launches, threads, *a: launched.extend((p, g) for p, _, g in launches),
     )
     s = _batchnorm.shape(0, "bfloat16", act, channels_last, 32 * 48 * 64 * 64, 64 * 64, 48)
     p = _batchnorm.plan(s, 256, 512)
     assert p.width == 8 and _batchnorm.plan(s, 256, 520).width == 1
-    buffers = _batchnorm.Buffers(*range(15))
-    _batchnorm.forward(s, p, 0, buffers, 0.1, 1e-5, 0.01)
-    _batchnorm.backward(s, p, 0, buffers, 0.01)
-    _batchnorm.forward(s, p, 0, buffers, 0.1, 1e-5, 0.01, evaluate=True)
+    assert _batchnorm.prepare(s, 256 | 520, "forward").plan.width == 1
+    buffers = _batchnorm.Buffers(*range(16))
+    for which in ("forward", "backward", "eval"):
+        ps = _batchnorm.prepare(s, 256 | 512, which)
+        assert ps.plan == p and ps.work % 16 == 0 and ps.coef % 16 == 0
+        assert ps.doubles * 8 >= ps.coef + 16 * 48 and ps.work >= 8 * 48  # (mean, invstd)
+        _batchnorm.run(ps, 0, buffers, 0.1, 1e-5, 0.01, 0)
     names = set(_batchnorm.all_kernel_names())
-    assert [name in names for name, _ in launched] == [True] * 8, launched
-    assert "bn_reduce" in launched[0][0] and "bn_reduce" in launched[3][0]
-    assert "finalize_stats" in launched[6][0] and "bn_forward" in launched[7][0]
+    assert all(name in names for name, _ in launched), launched
+    per_pass = 3 if channels_last else 2
+    kinds = [name.split("<")[0].split("::")[1] for name, _ in launched]
+    finish = ["bn_finalize"] if channels_last else []
+    assert kinds == [
+        "bn_reduce", *finish, "bn_forward",
+        "bn_reduce", *finish, "bn_backward",
+        "bn_finalize_eval", "bn_forward",
+    ]  # fmt: skip
+    assert _batchnorm.arrivals(s) == (0 if channels_last else 48)
     blocks = -(-48 // 8 // 32) if channels_last else 48
-    assert launched[0][1] == launched[3][1] == (p.splits, blocks)
+    assert launched[0][1] == launched[per_pass][1] == (p.splits, blocks)
+    assert launched[-2][1] == (1, 1)  # (a thread per channel)
     assert 1 < p.splits * 2048 <= s.n // blocks + 2048  # each block's share >= 2048 elements
     odd = _batchnorm.shape(0, "float32", act, channels_last, 2 * 6 * 5 * 5, 25, 6)
     assert not odd.vector and _batchnorm.plan(odd, 256).width == 1
@@ -297,7 +312,7 @@ def test_kernels_compile_with_nvrtc(arch):
     finally:
         nvrtc.destroyProgram(prog)
     entries = re.findall(r"^\.(?:visible|weak) \.entry ", ptx, re.M)
-    assert len(entries) == len(set(names)) == 2 + 3 * 4 * 14  # (dtype, layout, width) x kernels
+    assert len(entries) == len(set(names)) == 3 + 3 * 4 * 14  # (dtype, layout, width) x kernels
     sizes = set(re.findall(r"\.param \.align \d+ \.b8 \S+_param_0\[(\d+)\]", ptx))
     assert sizes == {str(_batchnorm._PARAMS.size)}
     assert "__local_depot" not in ptx
@@ -311,6 +326,7 @@ BN_SHAPES = [
     (1, 8, 5, 3),
     (2, 24, 16, 16),  # 16-byte vectors in both layouts and every dtype
     (3, 12, 8, 4),  # float32 vectors; 16-bit: per element in channels-last
+    (16, 3, 40, 40),  # NCHW: 13 blocks per channel, the last to arrive finishes it
 ]
 # float32: no more than twice eager PyTorch's own error against float64, plus
 # this floor; 16-bit outputs: their rounding
@@ -432,6 +448,19 @@ def test_fused_kernels_save_a_mask_or_the_output(memory):
 
 
 @pytest.mark.gpu
+def test_double_backward_is_refused_by_name():
+    """With create_graph the first backward gives the same bits as without, and
+    differentiating its result raises once_differentiable's error."""
+    ours = ct.BatchNormAct2d(5, act_layer="leaky_relu").cuda().eval()  # (same stats twice)
+    x = torch.randn(4, 5, 6, 7, device="cuda", requires_grad=True)
+    (plain,) = torch.autograd.grad((ours(x * 1) ** 2).sum(), x)
+    (dx,) = torch.autograd.grad((ours(x * 1) ** 2).sum(), x, create_graph=True)
+    testing.assert_bits_equal(dx, plain)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dx.sum().backward()
+
+
+@pytest.mark.gpu
 def test_float64_default_dtype_does_not_change_the_kernels_buffers():
     """The kernels write float32 statistics and gradients whatever
     torch.get_default_dtype() says: the same bits with float64 as default."""
@@ -455,6 +484,52 @@ def test_float64_default_dtype_does_not_change_the_kernels_buffers():
 
 
 @pytest.mark.gpu
+def test_nchw_reductions_leave_their_counters_zero_on_every_stream():
+    """An NCHW reduction's blocks count their arrivals per channel and the last
+    one finishes the channel: after training and eval passes (with backward)
+    on the default stream, a side stream and a new thread, each stream's
+    counters are zero again and every run gives the same bits."""
+    import threading
+
+    from cupy_act import _batchnorm
+
+    ours = ct.BatchNormAct2d(3, act_layer="relu").cuda()
+    x = torch.randn(16, 3, 40, 40, device="cuda")
+    gy = torch.randn_like(x)
+    s = _batchnorm.shape(0, "float32", "relu", False, x.numel(), 40 * 40, 3)
+    assert _batchnorm.arrivals(s) == 3 and _batchnorm.plan(s, 0).splits > 8
+
+    def steps(out):
+        for train in (True, False):
+            m = copy.deepcopy(ours).train(train)
+            xi = x.clone().requires_grad_(True)
+            y = m(xi * 1)
+            y.backward(gy)
+            out += [y, xi.grad, m.weight.grad, m.bias.grad, m.running_mean, m.running_var]
+        return out
+
+    want = steps([])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = steps([])
+    torch.cuda.current_stream().wait_stream(side)
+    on_thread: list = []
+    worker = threading.Thread(target=steps, args=(on_thread,))
+    worker.start()
+    worker.join()
+    torch.cuda.synchronize()
+    for got in (on_side, on_thread):
+        assert len(got) == len(want)
+        for i, (a, e) in enumerate(zip(got, want)):
+            testing.assert_bits_equal(a, e, f"output {i}")
+    sets = ct.batchnorm._arrival_sets
+    for stream in (side, torch.cuda.default_stream()):
+        counters = sets[(0, stream.cuda_stream)]
+        assert counters.dtype == torch.int32 and not counters.any(), stream
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("memory", ["default", "inplace"])
 def test_batches_are_counted_by_the_kernels_and_in_cuda_graphs(memory):
     """The training forward's kernels count num_batches_tracked (once per call,
@@ -463,7 +538,7 @@ def test_batches_are_counted_by_the_kernels_and_in_cuda_graphs(memory):
     A count on another device takes PyTorch's path."""
     ours = ct.BatchNormAct2d(6, act_layer="leaky_relu", memory=memory).cuda()
     eager = copy.deepcopy(ours)
-    x = torch.randn(4, 6, 5, 7, device="cuda")
+    x = torch.randn(16, 6, 24, 24, device="cuda")  # (5 reduction blocks per channel)
     gy = torch.randn_like(x)
     for _ in range(3):
         eager(x.clone()).backward(gy)

@@ -151,9 +151,10 @@ class BatchNormAct2d(nn.BatchNorm2d):
         self.memory = _memory_mode(memory, self.act, self.negative_slope)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if _fusable(self, input):
-            return _fused_forward(self, input)
-        y = super().forward(input)  # PyTorch's normalization and running statistics
+        tensors = _fused_tensors(self, input)
+        if tensors is not None:
+            return _fused_forward(self, input, tensors)
+        y = nn.BatchNorm2d.forward(self, input)  # PyTorch's normalization, running statistics
         if self.act == "relu":
             return F.relu(y, inplace=True)
         if self.act == "leaky_relu":
@@ -178,55 +179,91 @@ FUSED_CHANNELS_LAST = True
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _fusable(m: BatchNormAct2d, x: torch.Tensor) -> bool:
-    """A dense 4-D CUDA tensor, float32 parameters and buffers (an int64
+class _Tensors(NamedTuple):
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    running_mean: torch.Tensor | None
+    running_var: torch.Tensor | None
+    num_batches_tracked: torch.Tensor | None
+
+
+def _tensors(m: nn.BatchNorm2d) -> _Tensors:
+    """The module's parameters and buffers. On a BatchNormAct2d itself they are
+    read from its dictionaries, where ``nn.Module.__getattr__`` finds them
+    (0.04 against 0.56 us each on a 2-core CPU machine, five per call); a
+    subclass may define them otherwise (parametrizations make one), and a
+    deleted one must raise as PyTorch's forward would, so those take getattr."""
+    if type(m) is BatchNormAct2d:
+        p, b = m._parameters, m._buffers
+        try:
+            return _Tensors(p["weight"], p["bias"], b["running_mean"], b["running_var"],
+                            b["num_batches_tracked"])  # fmt: skip
+        except KeyError:
+            pass
+    return _Tensors(m.weight, m.bias, m.running_mean, m.running_var, m.num_batches_tracked)
+
+
+def _fused_tensors(m: BatchNormAct2d, x: torch.Tensor) -> _Tensors | None:
+    """The module's tensors where the fused kernels apply, else None: a dense
+    4-D CUDA tensor, float32 parameters and buffers (an int64
     ``num_batches_tracked``, which the kernels count) on its device, outside
-    torch.compile, torch.func transforms and forward-mode AD."""
+    torch.compile, torch.func transforms and forward-mode AD (checked before
+    the module's dictionaries are read, which tracing need not see)."""
     if not (FUSED and x.is_cuda and x.dim() == 4 and x.dtype in _FUSED_DTYPES):
-        return False
+        return None
     if F._is_compiling() or F._functorch_active() or F._forward_ad_active():
-        return False
-    tensors = (m.weight, m.bias, m.running_mean, m.running_var)
-    if any(t is not None and (t.dtype != torch.float32 or t.device != x.device) for t in tensors):
-        return False
-    count = m.num_batches_tracked
-    if count is not None and (count.dtype != torch.int64 or count.device != x.device):
-        return False
+        return None
+    t = _tensors(m)
+    dev = x.device
+    for p in (t.weight, t.bias, t.running_mean, t.running_var):
+        if p is not None and (p.dtype != torch.float32 or p.device != dev):
+            return None
+    count = t.num_batches_tracked
+    if count is not None and (count.dtype != torch.int64 or count.device != dev):
+        return None
     per_channel = x.numel() // max(x.shape[1], 1)
-    if per_channel <= (1 if _batch_statistics(m) else 0) or x.shape[1] > 65535:
-        return False  # (one value per channel in training: PyTorch's path raises its
+    if per_channel <= (1 if _batch_statistics(m, t.running_mean) else 0) or x.shape[1] > 65535:
+        return None  # (one value per channel in training: PyTorch's path raises its
         # error; the reduction's grid has a row of blocks per channel)
-    return x.is_contiguous() or (FUSED_CHANNELS_LAST and _impl.is_channels_last(x))
+    if x.is_contiguous() or (FUSED_CHANNELS_LAST and _impl.is_channels_last(x)):
+        return t
+    return None
 
 
-def _batch_statistics(m: nn.BatchNorm2d) -> bool:
+def _fusable(m: BatchNormAct2d, x: torch.Tensor) -> bool:
+    """Whether the fused kernels apply (``_fused_tensors``)."""
+    return _fused_tensors(m, x) is not None
+
+
+def _batch_statistics(m: nn.BatchNorm2d, running_mean) -> bool:
     """Whether the forward normalizes with the batch's statistics (as
     ``nn.BatchNorm2d.forward`` decides), else with the running ones."""
-    return m.training or m.running_mean is None
+    return m.training or running_mean is None
 
 
-def _fused_forward(m: BatchNormAct2d, x: torch.Tensor) -> torch.Tensor:
+def _fused_forward(m: BatchNormAct2d, x: torch.Tensor, t: _Tensors) -> torch.Tensor:
     """nn.BatchNorm2d.forward's running-statistics bookkeeping, then the kernels."""
     factor = 0.0 if m.momentum is None else m.momentum
-    batch = _batch_statistics(m)
+    batch = _batch_statistics(m, t.running_mean)
     count = None  # num_batches_tracked where the kernels increment it
-    if m.training and m.track_running_stats and m.num_batches_tracked is not None:
+    if m.training and m.track_running_stats and t.num_batches_tracked is not None:
         if m.momentum is None:  # cumulative moving average: the factor needs the count now
-            m.num_batches_tracked.add_(1)
-            factor = 1.0 / float(m.num_batches_tracked)
+            t.num_batches_tracked.add_(1)
+            factor = 1.0 / float(t.num_batches_tracked)
         else:
-            count = m.num_batches_tracked
+            count = t.num_batches_tracked
     # running statistics: updated (training) or used (eval)
-    running = (m.running_mean, m.running_var)
+    mean, var = t.running_mean, t.running_var
     if batch and not (m.training and m.track_running_stats):
-        running = (None, None)
+        mean = var = None
+    w, b = t.weight, t.bias
     grad = torch.is_grad_enabled() and (
         x.requires_grad
-        or (m.weight is not None and m.weight.requires_grad)
-        or (m.bias is not None and m.bias.requires_grad)
+        or (w is not None and w.requires_grad)
+        or (b is not None and b.requires_grad)
     )
     mode = _Mode(m.act, m.negative_slope, not batch, m.memory == "inplace", grad)
-    return _apply_fused(x, m.weight, m.bias, *running, count, float(factor), float(m.eps), mode)
+    return _apply_fused(x, w, b, mean, var, count, float(factor), float(m.eps), mode)
 
 
 class _Mode(NamedTuple):
@@ -241,6 +278,36 @@ def _ptr(t) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+try:  # (private: the public function wraps it)
+    _capturing = torch._C._cuda_isCurrentStreamCapturing
+except AttributeError:  # pragma: no cover - depends on the torch version
+    _capturing = torch.cuda.is_current_stream_capturing
+
+# Zeroed counters for the NCHW reductions (_bn.arrivals), one set per (device,
+# stream): a launch leaves them zero for the next on its stream, and kernels on
+# one stream run in order. A CUDA graph being captured gets a set of its own,
+# zeroed by a node of the graph before each replay's use.
+_ARRIVALS = 65536  # (channels <= 65535)
+_arrival_sets: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _arrivals(s: _bn.Shape, device: torch.device, stream: int) -> int:
+    """Address of zeroed counters for the pass, or 0 where it needs none."""
+    if not _bn.arrivals(s):
+        return 0
+    if _capturing():
+        fresh = torch.zeros(s.channels, dtype=torch.int32, device=device)
+        return fresh.data_ptr()  # (freed in stream order: the graph's memory)
+    t = _arrival_sets.get((s.device, stream))
+    if t is None:
+        if len(_arrival_sets) > 64:  # (streams made per step: start over)
+            _arrival_sets.clear()
+        t = _arrival_sets[(s.device, stream)] = torch.zeros(
+            _ARRIVALS, dtype=torch.int32, device=device
+        )
+    return t.data_ptr()
+
+
 class FusedBatchNormAct(torch.autograd.Function):
     """BatchNorm + activation in cupy_act's kernels (cuda/batchnorm.cu).
 
@@ -253,26 +320,27 @@ class FusedBatchNormAct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, count, factor, eps, mode: _Mode):
         cl = not x.is_contiguous()
-        n, c = x.numel(), x.shape[1]
+        shape = x.shape
+        n, c = x.numel(), shape[1]
         dev = x.device
-        s = _bn.shape(
-            dev.index, _impl.DTYPE_NAMES[x.dtype], mode.act, cl, n, x.shape[2] * x.shape[3], c
-        )
+        dtype = _impl.DTYPE_NAMES[x.dtype]
+        s = _bn.shape(dev.index, dtype, mode.act, cl, n, shape[2] * shape[3], c)
         y = x if mode.inplace else torch.empty_like(x)
         mask = None
         if mode.grad and not mode.inplace and mode.act != "identity":
             mask = torch.empty(-(-n // 32), dtype=torch.int32, device=dev)
-        plan = _bn.plan(s, x.data_ptr(), y.data_ptr())
+        xp, yp = x.data_ptr(), y.data_ptr()
+        ps = _bn.prepare(s, xp | yp, "eval" if mode.evaluate else "forward")
         # mean and invstd (kept for the backward), then the work area
-        stats = torch.empty(_bn.scratch_doubles(s, plan), dtype=torch.float64, device=dev)
+        stats = torch.empty(ps.doubles, dtype=torch.float64, device=dev)
         mean = stats.data_ptr()
+        stream = _impl._raw_stream(s.device)
         buffers = _bn.Buffers(
-            x.data_ptr(), 0, y.data_ptr(), _ptr(mask), _ptr(weight), _ptr(bias),
-            mean, mean + 4 * c, _bn.work_address(s, mean), _ptr(running_mean),
-            _ptr(running_var), 0, 0, _bn.coef_address(s, plan, mean), _ptr(count),
+            xp, 0, yp, _ptr(mask), _ptr(weight), _ptr(bias), mean, mean + 4 * c, mean + ps.work,
+            _ptr(running_mean), _ptr(running_var), 0, 0, mean + ps.coef, _ptr(count),
+            0 if mode.evaluate else _arrivals(s, dev, stream),
         )  # fmt: skip
-        stream = _impl._raw_stream(dev.index)
-        _bn.forward(s, plan, stream, buffers, factor, eps, mode.slope, mode.evaluate)
+        _bn.run(ps, stream, buffers, factor, eps, mode.slope, _bn.EVAL if mode.evaluate else 0)
         if mode.inplace:
             ctx.mark_dirty(x)
         ctx.save_for_backward(y if mode.inplace else x, weight, bias, stats, mask)
@@ -280,30 +348,42 @@ class FusedBatchNormAct(torch.autograd.Function):
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, gy):
-        src, weight, bias, stats, mask = ctx.saved_tensors
-        s, mode = ctx.args
-        fmt = torch.channels_last if s.channels_last else torch.contiguous_format
-        gy = gy.contiguous(memory_format=fmt)
-        c = s.channels
-        dx = torch.empty_like(src)
-        plan = _bn.plan(s, src.data_ptr(), gy.data_ptr(), dx.data_ptr())
-        # (the gradients apart from the work area: a parameter's .grad may
-        # keep its storage)
-        grads = torch.empty(2 * c, dtype=torch.float32, device=src.device)
-        gw = grads[:c] if ctx.needs_input_grad[1] else None
-        gb = grads[c:] if ctx.needs_input_grad[2] else None
-        work = torch.empty(_bn.scratch_doubles(s, plan), dtype=torch.float64, device=src.device)
-        mean, w = stats.data_ptr(), work.data_ptr()
-        buffers = _bn.Buffers(
-            src.data_ptr(), gy.data_ptr(), dx.data_ptr(), _ptr(mask), _ptr(weight), _ptr(bias),
-            mean, mean + 4 * c, _bn.work_address(s, w), 0, 0, _ptr(gw), _ptr(gb),
-            _bn.coef_address(s, plan, w), 0,
-        )  # fmt: skip
-        stream = _impl._raw_stream(s.device)
-        _bn.backward(s, plan, stream, buffers, mode.slope, mode.evaluate, mode.inplace)
-        return dx, gw, gb, None, None, None, None, None, None
+        # (no graph to record: the kernels' outputs are plain tensors. With
+        # create_graph, once_differentiable's wrapper says so if they are
+        # differentiated again; without, it would only cost a no_grad block)
+        if torch.is_grad_enabled():
+            return _backward_once(ctx, gy)
+        return _backward(ctx, gy)
+
+
+def _backward(ctx, gy):
+    src, weight, bias, stats, mask = ctx.saved_tensors
+    s, mode = ctx.args
+    gy = gy.contiguous(memory_format=torch.channels_last if s.channels_last else _CONTIGUOUS)
+    c = s.channels
+    dev = src.device
+    dx = torch.empty_like(src)
+    sp, gp, dp = src.data_ptr(), gy.data_ptr(), dx.data_ptr()
+    ps = _bn.prepare(s, sp | gp | dp, "backward_from_output" if mode.inplace else "backward")
+    needs = ctx.needs_input_grad
+    # (each gradient its own allocation: a parameter's .grad may keep it)
+    gw = torch.empty(c, dtype=torch.float32, device=dev) if needs[1] else None
+    gb = torch.empty(c, dtype=torch.float32, device=dev) if needs[2] else None
+    work = torch.empty(ps.doubles, dtype=torch.float64, device=dev)
+    mean, w = stats.data_ptr(), work.data_ptr()
+    stream = _impl._raw_stream(s.device)
+    buffers = _bn.Buffers(
+        sp, gp, dp, _ptr(mask), _ptr(weight), _ptr(bias), mean, mean + 4 * c, w + ps.work,
+        0, 0, _ptr(gw), _ptr(gb), w + ps.coef, 0, _arrivals(s, dev, stream),
+    )  # fmt: skip
+    flags = (_bn.EVAL if mode.evaluate else 0) | (_bn.FROM_OUTPUT if mode.inplace else 0)
+    _bn.run(ps, stream, buffers, 0.0, 0.0, mode.slope, flags)
+    return dx, gw, gb, None, None, None, None, None, None
+
+
+_CONTIGUOUS = torch.contiguous_format
+_backward_once = torch.autograd.function.once_differentiable(_backward)
 
 
 # Function.apply's Python wrapper (argument binding, functorch unwrapping) is
