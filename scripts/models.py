@@ -27,7 +27,8 @@ Eager table (every --batches):
            calls PyTorch's own op and backward: what any Python autograd path
            costs on the host, with nothing of ours in it;
   ours     ``cupy_act.torch.replace_activations(model)``;
-  --bn: ours+bn / ours+bn-inplace   ``fuse_batchnorm_act(model, memory=...)`` too;
+  --bn: ours+bn / ours+bn-inplace   ``fuse_batchnorm_act(model, memory=...)`` too (its FX
+        sibling where it fuses none: torchvision);
         ours+bn-floor   ours+bn whose BatchNorm Function launches nothing (the
                         adapter's host floor: its losses are garbage, not compared);
         eager-cl        eager in channels-last, losses only: float32 noise.
@@ -187,7 +188,10 @@ class Run:
         elif variant == "ours" or ours:
             ct.replace_activations(model)
         elif variant in BN_VARIANTS or variant == BN_FLOOR:  # BatchNorm + act fused, the rest ours
-            ct.fuse_batchnorm_act(model, memory=BN_VARIANTS.get(variant, "default"))
+            memory = BN_VARIANTS.get(variant, "default")
+            model, count = ct.fuse_batchnorm_act(model, memory=memory)
+            if count == 0:  # (torchvision's blocks: pairs only their call graph shows)
+                model, count = ct.fuse_batchnorm_act_fx(model, memory=memory)
             ct.replace_activations(model)
         elif variant == NOISE:
             model.to(memory_format=torch.channels_last)

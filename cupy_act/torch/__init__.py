@@ -10,11 +10,13 @@ from . import (
     _library,  # noqa: F401  (registers the cupy_act:: custom ops)
     adopt,
     batchnorm,
+    batchnorm_fx,
     functional,
     modules,
 )
 from .adopt import *  # noqa: F403  (replace_activations, activations_mode)
 from .batchnorm import *  # noqa: F403  (BatchNormAct2d, fuse_batchnorm_act)
+from .batchnorm_fx import *  # noqa: F403  (fuse_batchnorm_act_fx)
 from .conv import conv2d_div_leaky_relu, set_compiled_epilogue
 from .functional import *  # noqa: F403  (the public functions, listed in functional.__all__)
 from .modules import *  # noqa: F403  (the nn.Modules, listed in modules.__all__)
@@ -26,4 +28,5 @@ __all__ = [
     *modules.__all__,
     *adopt.__all__,
     *batchnorm.__all__,
+    *batchnorm_fx.__all__,
 ]

@@ -500,22 +500,31 @@ def fuse_batchnorm_act(model: nn.Module, memory: str = "default") -> tuple[nn.Mo
                         parent._modules[name] = _fused(child, *act, mode)
                         parent._modules[next_name] = nn.Identity()
                         count += 1
+    _warn_left("fuse_batchnorm_act", zeroed, synced)
+    return model, count
+
+
+def _names(names: list) -> str:
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+def _warn_left(fname: str, zeroed: list, synced: list) -> None:
+    """The fusers' warnings: BatchNorms kept in the default mode for a zero in
+    their weight, and SyncBatchNorms left alone (named, to the fuser's caller)."""
     if zeroed:
         warnings.warn(
-            f"fuse_batchnorm_act: {len(zeroed)} BatchNorm(s) with a zero in their weight "
-            f"({', '.join(zeroed[:3])}{', ...' if len(zeroed) > 3 else ''}) keep "
-            f"memory='default': the in-place mode cannot recover xhat where weight is 0 "
-            f"(a zero-initialized last BatchNorm of a residual block, for example)",
-            stacklevel=2,
+            f"{fname}: {len(zeroed)} BatchNorm(s) with a zero in their weight "
+            f"({_names(zeroed)}) keep memory='default': the in-place mode cannot recover "
+            f"xhat where weight is 0 (a zero-initialized last BatchNorm of a residual "
+            f"block, for example)",
+            stacklevel=3,
         )
     if synced:
         warnings.warn(
-            f"fuse_batchnorm_act: left {len(synced)} nn.SyncBatchNorm as they are "
-            f"({', '.join(synced[:3])}{', ...' if len(synced) > 3 else ''}): their "
-            f"statistics are reduced across processes, BatchNormAct2d's are local",
-            stacklevel=2,
+            f"{fname}: left {len(synced)} nn.SyncBatchNorm as they are ({_names(synced)}): "
+            f"their statistics are reduced across processes, BatchNormAct2d's are local",
+            stacklevel=3,
         )
-    return model, count
 
 
 def _from_timm(module: nn.Module, memory: str) -> BatchNormAct2d | None:
