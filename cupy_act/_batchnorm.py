@@ -141,12 +141,12 @@ class Plan(NamedTuple):
 _plans: dict[tuple, Plan] = {}  # (Shape, aligned) -> Plan
 
 
-def plan(s: Shape, *pointers: int) -> Plan:
-    """The pass's plan: 16-byte vectors where the shape allows them and every
-    pointer given is 16-byte aligned; about 32 reduction blocks per
-    multiprocessor over all channels, each block's share at least 2048
-    elements. Kept per (shape, alignment)."""
-    aligned = s.vector and not any(p & 15 for p in pointers)
+def plan(s: Shape, pointers: int) -> Plan:
+    """The pass's plan: 16-byte vectors where the shape allows them and the
+    call's array addresses (``pointers``, OR-ed together) are 16-byte aligned;
+    about 32 reduction blocks per multiprocessor over all channels, each
+    block's share at least 2048 elements. Kept per (shape, alignment)."""
+    aligned = s.vector and not pointers & 15
     found = _plans.get((s, aligned))
     if found is not None:
         return found
@@ -202,7 +202,7 @@ def prepare(s: Shape, pointers: int, which: str) -> Pass:
     found = _passes.get((s, aligned, which))
     if found is not None:
         return found
-    p = plan(s, 0 if aligned else 1)
+    p = plan(s, pointers)
     head = (s.channels + 1) & ~1  # 2 x channels floats, to a 16-byte boundary
     work = 8 * head
     launches = tuple(_launch_of(s, p, k) for k in PASSES[which][s.channels_last])

@@ -4,6 +4,7 @@ state_dict compatibility, the fuser on Sequential pairs and on timm's module
 shape, and the compiled graphs. CPU here; CUDA with the ``gpu`` marker."""
 
 import copy
+import warnings
 
 import pytest
 
@@ -263,8 +264,8 @@ def test_launch_plan(act, channels_last, monkeypatch):
         lambda launches, threads, *a: launched.extend((p, g) for p, _, g in launches),
     )
     s = _batchnorm.shape(0, "bfloat16", act, channels_last, 32 * 48 * 64 * 64, 64 * 64, 48)
-    p = _batchnorm.plan(s, 256, 512)
-    assert p.width == 8 and _batchnorm.plan(s, 256, 520).width == 1
+    p = _batchnorm.plan(s, 256 | 512)
+    assert p.width == 8 and _batchnorm.plan(s, 256 | 520).width == 1
     assert _batchnorm.prepare(s, 256 | 520, "forward").plan.width == 1
     buffers = _batchnorm.Buffers(*range(16))
     for which in ("forward", "backward", "eval"):
@@ -653,6 +654,12 @@ def test_fuse_inplace_keeps_zero_weights_in_the_default_mode():
     with pytest.warns(UserWarning, match=r"1 BatchNorm\(s\) with a zero in their weight \(4\)"):
         model, count = ct.fuse_batchnorm_act(model, memory="inplace")
     assert count == 2 and [model[1].memory, model[4].memory] == ["inplace", "default"]
+    relu = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    nn.init.zeros_(relu[1].weight)
+    with warnings.catch_warnings():  # (ReLU keeps the default anyway: nothing to name)
+        warnings.simplefilter("error")
+        relu, count = ct.fuse_batchnorm_act(relu, memory="inplace")
+    assert count == 1 and relu[1].memory == "default"
 
 
 @pytest.mark.gpu

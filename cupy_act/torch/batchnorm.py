@@ -397,10 +397,8 @@ except AttributeError:  # pragma: no cover - depends on the torch version
 
 def _fused(bn: nn.BatchNorm2d, act: str, slope: float, memory: str) -> BatchNormAct2d:
     """A BatchNormAct2d holding bn's own parameters and buffers (optimizers and
-    other references to them stay valid) and its training flag; ``memory``
-    "inplace" where the activation allows it, else "default"."""
-    if memory == "inplace" and not _invertible(act, slope):
-        memory = "default"
+    other references to them stay valid) and its training flag, in memory
+    mode ``memory`` (``_mode_for``'s choice)."""
     new = BatchNormAct2d(
         bn.num_features,
         bn.eps,
@@ -469,8 +467,8 @@ def fuse_batchnorm_act(model: nn.Module, memory: str = "default") -> tuple[nn.Mo
         )
     _memory_mode(memory, "identity", 0.0)  # (a bad value raises, naming it)
     if _is_timm_bn_act(model):
-        new = _from_timm(model, "default")
-        return (new, 1) if new is not None else (model, 0)
+        act = _timm_act(model)
+        return (_fused(model, *act, "default"), 1) if act is not None else (model, 0)
     count = 0
     synced: list[str] = []
     zeroed: list[str] = []
@@ -480,13 +478,12 @@ def fuse_batchnorm_act(model: nn.Module, memory: str = "default") -> tuple[nn.Mo
             if isinstance(child, nn.SyncBatchNorm):
                 synced.append(f"{path}.{name}" if path else name)
             elif child is not None and _is_timm_bn_act(child):
-                fresh = name == "bn" and _is_conv_norm_act(parent)
-                new = _from_timm(
-                    child,
-                    _mode_for(child, memory, fresh, zeroed, f"{path}.{name}" if path else name),
-                )
-                if new is not None:
-                    parent._modules[name] = new
+                act = _timm_act(child)
+                if act is not None:
+                    fresh = name == "bn" and _is_conv_norm_act(parent)
+                    label = f"{path}.{name}" if path else name
+                    mode = _mode_for(child, act, memory, fresh, zeroed, label)
+                    parent._modules[name] = _fused(child, *act, mode)
                     count += 1
             elif isinstance(parent, nn.Sequential) and type(child) is nn.BatchNorm2d:
                 if i + 1 < len(children):
@@ -494,9 +491,8 @@ def fuse_batchnorm_act(model: nn.Module, memory: str = "default") -> tuple[nn.Mo
                     act = _act_of(next_child) if next_child is not None else None
                     if act is not None and act[0] != "identity":
                         fresh = i > 0 and isinstance(children[i - 1][1], nn.Conv2d)
-                        mode = _mode_for(
-                            child, memory, fresh, zeroed, f"{path}.{name}" if path else name
-                        )
+                        label = f"{path}.{name}" if path else name
+                        mode = _mode_for(child, act, memory, fresh, zeroed, label)
                         parent._modules[name] = _fused(child, *act, mode)
                         parent._modules[next_name] = nn.Identity()
                         count += 1
@@ -527,19 +523,23 @@ def _warn_left(fname: str, zeroed: list, synced: list) -> None:
         )
 
 
-def _from_timm(module: nn.Module, memory: str) -> BatchNormAct2d | None:
+def _timm_act(module: nn.Module) -> tuple[str, float] | None:
+    """(act, slope) of timm's BatchNormAct2d where it can be fused (its dropout
+    the identity), else None."""
     drop = getattr(module, "drop", None)
-    act = _act_of(module.act)
-    if act is None or (drop is not None and type(drop) is not nn.Identity):
+    if drop is not None and type(drop) is not nn.Identity:
         return None
-    return _fused(module, *act, memory)
+    return _act_of(module.act)
 
 
-def _mode_for(bn: nn.BatchNorm2d, memory: str, fresh: bool, zeroed: list, label: str) -> str:
-    """The fused module's memory mode: "inplace" only where asked for, the input
-    is a fresh convolution output and the weight has no zero (checked now,
-    once: a later exact zero is the in-place mode's documented condition)."""
-    if memory != "inplace" or not fresh:
+def _mode_for(bn: nn.BatchNorm2d, act: tuple, memory: str, fresh: bool, zeroed: list,
+              label: str) -> str:  # fmt: skip
+    """The fused module's memory mode: "inplace" only where asked for, the
+    activation ``act`` ((name, slope)) is invertible, the input is a fresh
+    convolution output and the weight has no zero (checked now, once: a later
+    exact zero is the in-place mode's documented condition; ``label`` joins
+    ``zeroed``)."""
+    if memory != "inplace" or not fresh or not _invertible(*act):
         return "default"
     if bn.weight is not None and bool((bn.weight == 0).any()):
         zeroed.append(label)

@@ -116,7 +116,7 @@ def fuse_batchnorm_act_fx(
         if act is None:
             continue
         fresh = _fresh_conv_output(node, modules)
-        mode = bn._mode_for(module, memory, fresh, zeroed, node.target)
+        mode = bn._mode_for(module, act, memory, fresh, zeroed, node.target)
         parent, _, name = node.target.rpartition(".")
         setattr(gm.get_submodule(parent), name, bn._fused(module, *act, mode))
         user.replace_all_uses_with(node)
