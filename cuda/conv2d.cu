@@ -47,79 +47,11 @@
 // The bits of one output row (NCHW) or position (NHWC) of the tile are
 // consecutive elements: a word they cover entirely is stored, the words at
 // either end are OR-ed in atomically, since a neighbour owns their other bits.
-#include "numerics.cuh"
+#include "conv2d_tiles.cuh"
 #include "params.cuh"
 #include "activations.cuh"
 
 namespace cupy_act {
-
-struct ConvParams {
-  const void* x;               // input, NCHW or NHWC (per kChannelsLast), dense
-  const void* w;               // weight, OIHW, dense
-  const void* bias;            // (Cout,) or null
-  void* y;                     // output, the input's layout
-  u32* mask;                   // zeroed mask buffer, or null: no mask
-  int n, cin, h, w_in;         // input
-  int cout, oh, ow;            // output
-  int kh, kw;                  // filter size
-  int sh, sw, ph, pw, dh, dw;  // stride, zero padding, dilation
-  int c_log2;                  // tile columns C = 1 << c_log2, rows 128 >> c_log2
-  int tiles_h, tiles_w;        // tiles per image
-  int cc;                      // input channels per chunk
-  int kc_pad;                  // cc * kh * kw rounded up to a multiple of 8
-  int patch_h, patch_w;        // patch plane: PH x PW, row stride PW
-  int pad_;
-  u64 slope, scale, alpha;  // float bits, as in Params
-};
-
-constexpr int kConvThreads = 128;
-constexpr int kBM = 128;       // output positions per block
-constexpr int kBN = 64;        // output channels per block
-constexpr int kCS = kBM + 4;   // epilogue tile, NCHW: [kBN][kCS]
-constexpr int kCSL = kBN + 4;  // epilogue tile, NHWC: [kBM][kCSL]
-// Dynamic shared memory: max(epilogue tile, table + patch + weights); the host
-// (cupy_act/_conv.py) computes the same sizes.
-constexpr int kEpilogueFloats = kBM * kCSL > kBN* kCS ? kBM * kCSL : kBN * kCS;
-
-__device__ __forceinline__ u32 to_tf32(float x) {
-  u32 r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
-
-__device__ __forceinline__ bool finite_bits(u32 b) { return (b & 0x7f800000u) != 0x7f800000u; }
-
-// The operands of x in kPasses passes, as stored in shared memory. One pass:
-// tf32(x). Three: big = tf32(x), small = tf32(x - big); a non-finite x (or one
-// whose big rounds to inf) is stored as big = 0, small = x, so that of the
-// three products only small_a * big_b or big_a * small_b carries it, against
-// the other operand's finite part, and no padding or correction term turns
-// it into NaN (inf * 0) where the FP32 sum would not. (Both operands
-// non-finite in one product gives NaN where the sum may give inf.)
-template <int kPasses>
-__device__ __forceinline__ void split(float x, u32& big, u32& small) {
-  big = to_tf32(x);
-  if (kPasses == 1) return;
-  if (!finite_bits(big)) {
-    small = big;
-    big = 0u;
-    return;
-  }
-  float r;
-  asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(__uint_as_float(big)));
-  small = to_tf32(r);
-}
-
-// d += a * b, one 16x8x8 TF32 tile. Fragments (g = lane / 4, t = lane % 4):
-// a = A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4]; b = B[t][g], B[t+4][g];
-// d = C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1].
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
 
 // The mask words of elements [e, e + len), consecutive: bits 32k .. 32k + 31
 // of the stream (bit i is element e + i) are the word `w` of lanes 8 * (first
@@ -166,24 +98,6 @@ __device__ __forceinline__ void mma_step(float (&acc)[4][4][4], const u32 (&a)[2
   for (int i = 0; i < 4; ++i)
 #pragma unroll
     for (int j = 0; j < 4; ++j) mma_tf32(acc[i][j], a[0][i], b[0][j]);
-}
-
-// 4 consecutive elements from a (4 * sizeof(T))-byte aligned address, as floats.
-template <typename T>
-__device__ __forceinline__ void load4(const T* src, float (&v)[4]) {
-  union {
-    T e[4];
-    u32 w[sizeof(T)];
-  } in;
-  if (sizeof(T) == 4) {
-    const uint4 r = *reinterpret_cast<const uint4*>(src);
-    in.w[0] = r.x, in.w[1] = r.y, in.w[2] = r.z, in.w[3] = r.w;
-  } else {
-    const uint2 r = *reinterpret_cast<const uint2*>(src);
-    in.w[0] = r.x, in.w[1] = r.y;
-  }
-#pragma unroll
-  for (int j = 0; j < 4; ++j) v[j] = Num<T>::to_op(in.e[j]);
 }
 
 // The epilogue of 4 consecutive output elements at dst, of which the first
@@ -241,30 +155,6 @@ __device__ __forceinline__ u32 gather_word(u32 nib, int lane) {
   return w;
 }
 
-// Three passes keep the small parts at fixed distances from the big ones, so
-// that one address serves both loads (an immediate offset): the patch's part
-// holds at most kPatchPart words, the weights' kWeightPart (depth <= 72).
-constexpr int kPatchPart = 4096;
-constexpr int kWeightStride = 72;  // words per depth row of the weights: (8t + g) % 32 distinct
-constexpr int kWeightPart = 72 * kWeightStride;
-
-// v[0] = the word at shared address addr (the big part), v[1] = the small one.
-template <int kParts, int kSmallBytes>
-__device__ __forceinline__ void lds(u32 addr, u32& big, u32& small) {
-  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(big) : "r"(addr));
-  if (kParts == 2)
-    asm volatile("ld.shared.u32 %0, [%1+%2];" : "=r"(small) : "r"(addr), "n"(kSmallBytes));
-}
-
-// x split (split<kPasses>) into shared memory: word e, the small part at e + small.
-template <int kPasses>
-__device__ __forceinline__ void put_split(u32* dst, int e, int small, float x) {
-  u32 big, lo;
-  split<kPasses>(x, big, lo);
-  dst[e] = big;
-  if (kPasses == 3) dst[e + small] = lo;
-}
-
 // Blocks per SM the registers must allow (the shared memory plan in
 // _conv.tiling matches): three with three passes, four with one, except on
 // sm_100 and later, where ptxas needs a few more than 128 registers.
@@ -302,15 +192,7 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
   u32* bs = patch + (patch_words > kEpilogueFloats ? patch_words : kEpilogueFloats);
   constexpr int kBS = kWeightStride;
 
-  // koff: the byte offset of depth k in the patch (padding depth: the zero plane).
-  for (int k = tid; k < p.kc_pad; k += kConvThreads) {
-    int off = p.cc * plane;
-    if (k < kc) {
-      const int ci = k / khw, rs = k - ci * khw, r = rs / p.kw, s = rs - r * p.kw;
-      off = ci * plane + r * p.dh * p.patch_w + s * p.dw;
-    }
-    koff[k] = off * 4;
-  }
+  build_koff(koff, p, tid);
 
   // Shared addresses of this thread's eight A rows (4 row tiles x g, g + 8)
   // at depth 0, and of its B column at depth t.
@@ -360,64 +242,7 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
       if (c0 == 0)
         for (int i = tid; i < plane; i += kConvThreads)
           put_split<kPasses>(patch, p.cc * plane + i, kPatchPart, 0.f);
-      // The input patch of channels [c0, c0 + cc), zero outside the image.
-      // NCHW: a warp per (channel, row), lanes along the row. NHWC: a warp
-      // per row, a lane per column reading that column's cc channels, which
-      // lie together. Unrolled so that several loads are in flight.
-      if (kChannelsLast) {
-        for (int pr = warp; pr < p.patch_h; pr += kConvThreads / 32) {
-          const int ih = ih_base + pr;
-          const bool row_ok = (unsigned)ih < (unsigned)p.h;
-          for (int pc = lane; pc < p.patch_w; pc += 32) {
-            const int iw = iw_base + pc;
-            const bool ok = row_ok && (unsigned)iw < (unsigned)p.w_in;
-            const T* src = xn + (ih * p.w_in + iw) * p.cin + c0;
-#pragma unroll 2
-            for (int c = 0; c < p.cc; ++c) {
-              const float v = ok && c0 + c < p.cin ? Num<T>::to_op(src[c]) : 0.f;
-              put_split<kPasses>(patch, (c * p.patch_h + pr) * p.patch_w + pc, kPatchPart, v);
-            }
-          }
-        }
-      } else {
-        // Where the rows' 4-element vectors line up with the patch columns
-        // (16 bytes for float32, 8 for 16-bit types), a lane takes 4 columns
-        // per load.
-        const bool vec =
-            (p.w_in & 3) == 0 && (iw_base & 3) == 0 && ((u64)x & (4 * sizeof(T) - 1)) == 0;
-        for (int row = warp; row < p.cc * p.patch_h; row += kConvThreads / 32) {
-          const int c = row / p.patch_h, ih = ih_base + row - c * p.patch_h;
-          const bool row_ok = (unsigned)ih < (unsigned)p.h && c0 + c < p.cin;
-          const T* src = xn + ((c0 + c) * p.h + ih) * p.w_in;
-          u32* dst = patch + row * p.patch_w;
-          if (vec) {
-            for (int pc = lane * 4; pc < p.patch_w; pc += 128) {
-              const int iw = iw_base + pc;
-              float v[4];
-              if (row_ok && iw >= 0 && iw + 3 < p.w_in) {
-                load4(src + iw, v);
-              } else {
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-                  v[j] = row_ok && (unsigned)(iw + j) < (unsigned)p.w_in
-                             ? Num<T>::to_op(src[iw + j])
-                             : 0.f;
-              }
-#pragma unroll
-              for (int j = 0; j < 4; ++j)
-                if (pc + j < p.patch_w) put_split<kPasses>(dst, pc + j, kPatchPart, v[j]);
-            }
-          } else {
-#pragma unroll 4
-            for (int pc = lane; pc < p.patch_w; pc += 32) {
-              const int iw = iw_base + pc;
-              const float v =
-                  row_ok && (unsigned)iw < (unsigned)p.w_in ? Num<T>::to_op(src[iw]) : 0.f;
-              put_split<kPasses>(dst, pc, kPatchPart, v);
-            }
-          }
-        }
-      }
+      load_patch<T, kPasses, kChannelsLast>(patch, p, xn, c0, ih_base, iw_base, tid);
       // The chunk's weights, k-major: depth [c0 * kh * kw, + kc_pad), zero past K.
       if (!one_chunk || tile == (int)blockIdx.x) {
         const int k_first = c0 * khw;

@@ -33,6 +33,11 @@ __device__ __forceinline__ float mul_rn(float a, float b) {
   asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
 }
+__device__ __forceinline__ float add_rn(float a, float b) {
+  float r;
+  asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
 // a * b + c rounded once.
 __device__ __forceinline__ float fma_rn(float a, float b, float c) {
   float r;

@@ -1,10 +1,14 @@
-"""The fused convolution kernel (``cuda/conv2d.cu``): geometry checks, lazy
-compilation and the launch, on raw device pointers (no CuPy or torch arrays).
+"""The fused convolution kernels (``cuda/conv2d.cu``, the forward;
+``cuda/conv2d_wgrad.cu``, the weight and bias gradients): geometry checks,
+lazy compilation and the launches, on raw device pointers (no CuPy or torch
+arrays).
 
-One ``cupy.RawModule`` per dtype, compiled on the first fused call in that
-dtype, separate from the elementwise modules (the first activation call never
-pays for it). The array-level entry (``cupy_act.conv``) and the torch adapter
-(``cupy_act.torch.conv``) check their arrays, allocate, and call ``launch``.
+One ``cupy.RawModule`` per dtype and source, compiled on the first call that
+needs it (the forward's on the first fused call in that dtype, the weight
+gradient's on the first fused backward), separate from the elementwise
+modules (the first activation call never pays for them). The array-level
+entry (``cupy_act.conv``) and the torch adapter (``cupy_act.torch.conv``)
+check their arrays, allocate, and call ``launch`` / ``launch_wgrad``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from ._kernels import CTYPES
 from ._scalars import kernel_scalars
 
 SOURCE = "conv2d.cu"
+WGRAD_SOURCE = "conv2d_wgrad.cu"
 THREADS = 128  # kConvThreads
 TILE_M, TILE_N = 128, 64  # output positions x output channels per block (kBM, kBN)
 DTYPES = ("float32", "float16", "bfloat16")  # float64 stays on PyTorch's convolution
@@ -46,8 +51,24 @@ def module_keys(dtype: str) -> tuple[tuple[str, int, bool], ...]:
 
 
 def all_kernel_names() -> tuple[str, ...]:
-    """Every fused-convolution instantiation, for the NVRTC checks."""
+    """Every fused-convolution forward instantiation, for the NVRTC checks."""
     return tuple(kernel_name(*key) for d in DTYPES for key in module_keys(d))
+
+
+def wgrad_kernel_names(dtype: str) -> tuple[str, ...]:
+    """The weight-gradient module's instantiations for ``dtype``: the main
+    kernel per (passes, channels_last) of ``module_keys``, then the finish."""
+    t = CTYPES[dtype]
+    main = tuple(
+        f"cupy_act::conv2d_wgrad_kernel<{t}, {n}, {'true' if cl else 'false'}>"
+        for _, n, cl in module_keys(dtype)
+    )
+    return (*main, f"cupy_act::conv2d_wgrad_finish<{t}>")
+
+
+def all_wgrad_kernel_names() -> tuple[str, ...]:
+    """Every weight-gradient instantiation, for the NVRTC checks."""
+    return tuple(n for d in DTYPES for n in wgrad_kernel_names(d))
 
 
 class Geometry(NamedTuple):
@@ -148,6 +169,28 @@ SMEM_TARGET = {1: 56 * 1024, 3: 76800}
 SMEM_MAX = 99 * 1024  # the most every sm_80+ device gives one block
 
 
+def _layouts(g: Geometry):
+    """The tilings to try, best first: (c_log2, patch rows, patch columns,
+    channels per chunk, padded depth, patch words with the zero plane) for
+    the widest rectangle (C = 128, 64 or 32, at least the output width where
+    possible) down to C = 32, and per rectangle the fewest, evenly sized
+    channel chunks first."""
+    c_log2 = 5 if g.ow <= 32 else 6 if g.ow <= 64 else 7
+    for c in range(c_log2, 4, -1):
+        rows = TILE_M >> c
+        ph = (rows - 1) * g.stride[0] + (g.kh - 1) * g.dilation[0] + 1
+        pw = ((1 << c) - 1) * g.stride[1] + (g.kw - 1) * g.dilation[1] + 1
+        for cc in range(min(g.cin, 64), 0, -1):
+            cc = -(-g.cin // -(-g.cin // cc))  # the same chunk count, evenly split
+            kc_pad = -(-cc * g.kh * g.kw // 8) * 8
+            yield c, ph, pw, cc, kc_pad, (cc + 1) * ph * pw
+
+
+def _tiling(g: Geometry, c: int, cc: int, kc_pad: int, ph: int, pw: int, smem: int) -> Tiling:
+    tiles = (-(-g.oh // (TILE_M >> c)), -(-g.ow // (1 << c)))
+    return Tiling(c, *tiles, cc, kc_pad, ph, pw, smem)
+
+
 @functools.lru_cache(maxsize=4096)  # (a Python search: cached per shape)
 def tiling(g: Geometry, n_passes: int) -> Tiling | None:
     """The widest rectangle (C = 128, 64 or 32, at least the output width where
@@ -158,33 +201,25 @@ def tiling(g: Geometry, n_passes: int) -> Tiling | None:
     big ones (conv2d.cu): the patch part within PATCH_PART words, the depth
     per chunk within 72.
     """
-    c_log2 = 5 if g.ow <= 32 else 6 if g.ow <= 64 else 7
     limits = (SMEM_TARGET[n_passes],) if n_passes == 3 else (SMEM_TARGET[1], SMEM_MAX)
     for limit in limits:
-        for c in range(c_log2, 4, -1):
-            rows = TILE_M >> c
-            ph = (rows - 1) * g.stride[0] + (g.kh - 1) * g.dilation[0] + 1
-            pw = ((1 << c) - 1) * g.stride[1] + (g.kw - 1) * g.dilation[1] + 1
-            for cc in range(min(g.cin, 64), 0, -1):
-                cc = -(-g.cin // -(-g.cin // cc))  # the same chunk count, evenly split
-                kc_pad = -(-cc * g.kh * g.kw // 8) * 8
-                part = (cc + 1) * ph * pw
-                if n_passes == 3:
-                    if part > PATCH_PART or kc_pad > 72:
-                        continue
-                    words = kc_pad + max(2 * PATCH_PART, EPILOGUE_FLOATS) + 2 * WEIGHT_PART
-                else:
-                    words = kc_pad + max(part, EPILOGUE_FLOATS) + kc_pad * WEIGHT_STRIDE
-                if 4 * words <= limit:
-                    tiles = (-(-g.oh // rows), -(-g.ow // (1 << c)))
-                    return Tiling(c, *tiles, cc, kc_pad, ph, pw, 4 * words)
+        for c, ph, pw, cc, kc_pad, part in _layouts(g):
+            if n_passes == 3:
+                if part > PATCH_PART or kc_pad > 72:
+                    continue
+                words = kc_pad + max(2 * PATCH_PART, EPILOGUE_FLOATS) + 2 * WEIGHT_PART
+            else:
+                words = kc_pad + max(part, EPILOGUE_FLOATS) + kc_pad * WEIGHT_STRIDE
+            if 4 * words <= limit:
+                return _tiling(g, c, cc, kc_pad, ph, pw, 4 * words)
     return None
 
 
-# ConvParams of conv2d.cu: x, w, bias, y, mask; 23 ints (4 bytes of padding);
-# slope, scale, alpha (float bits in the low half of 8 bytes).
-_PARAMS = struct.Struct("<QQQQQ23i4xf4xf4xf4x")
-assert _PARAMS.size == 160
+# ConvParams of conv2d_tiles.cuh: x, w, bias, y, mask; 23 ints (4 bytes of
+# padding); slope, scale, alpha (float bits in the low half of 8 bytes); gw,
+# gb, part; tiles_per_split, splits.
+_PARAMS = struct.Struct("<QQQQQ23i4xf4xf4xf4xQQQii")
+assert _PARAMS.size == 192
 _scratch = _launch._Scratch(_PARAMS.size)
 
 
@@ -195,8 +230,9 @@ class ConvKernel(NamedTuple):
 
 
 _lock = threading.Lock()
-_modules: dict[str, object] = {}
+_modules: dict[object, object] = {}
 _kernels: dict[tuple, ConvKernel] = {}  # (device, dtype, passes, channels_last)
+_wgrad_kernels: dict[tuple, tuple[ConvKernel, ConvKernel]] = {}  # the same keys: (main, finish)
 _smem_set: dict[int, int] = {}  # CUfunction -> dynamic shared memory allowed so far
 _resident: dict[tuple, int] = {}  # (device, CUfunction, smem) -> blocks the device holds at once
 
@@ -215,6 +251,26 @@ def kernel(device: int, dtype: str, n_passes: int, channels_last: bool) -> ConvK
         for k2, f in zip(keys, functions):
             _kernels[(device, *k2)] = ConvKernel(f.kernel.ptr, ctx, f.kernel)
     return _kernels[key]
+
+
+def wgrad_kernels(
+    device: int, dtype: str, n_passes: int, channels_last: bool
+) -> tuple[ConvKernel, ConvKernel]:
+    """The weight gradient's main kernel and its finish on ``device``; the first
+    call per (device, dtype) compiles (or loads) that dtype's module."""
+    key = (device, dtype, n_passes, channels_last)
+    k = _wgrad_kernels.get(key)
+    if k is not None:
+        return k
+    with _lock:
+        names = list(wgrad_kernel_names(dtype))
+        ctx, functions = _loader.load_module(
+            _modules, (dtype, "wgrad"), WGRAD_SOURCE, names, device
+        )
+        finish = ConvKernel(functions[-1].kernel.ptr, ctx, functions[-1].kernel)
+        for k2, f in zip(module_keys(dtype), functions):
+            _wgrad_kernels[(device, *k2)] = (ConvKernel(f.kernel.ptr, ctx, f.kernel), finish)
+    return _wgrad_kernels[key]
 
 
 def load(device: int) -> None:
@@ -279,42 +335,132 @@ def launch(
     assert tl is not None, "callers check fits()"
     k = kernel(device, dtype, n_passes, channels_last)
     _allow_smem(k, tl.smem)
-    s = _scratch
-    _PARAMS.pack_into(
-        s.buf,
-        0,
-        x,
-        w,
-        bias,
-        y,
-        mask,
-        g.n,
-        g.cin,
-        g.h,
-        g.w,
-        g.cout,
-        g.oh,
-        g.ow,
-        g.kh,
-        g.kw,
-        *g.stride,
-        *g.padding,
-        *g.dilation,
-        tl.c_log2,
-        tl.tiles_h,
-        tl.tiles_w,
-        tl.cc,
-        tl.kc_pad,
-        tl.patch_h,
-        tl.patch_w,
-        0,
-        slope,
-        scale,
-        1.0,
-    )
+    s = _pack(g, tl, x, w, bias, y, mask, slope, scale)
     # A persistent grid: each block walks tiles blockIdx.x, + gridDim.x, ...
     # keeping its weights in shared memory when one chunk holds every channel.
     n_tiles = g.n * tl.tiles_h * tl.tiles_w
     col_tiles = math.ceil(g.cout / TILE_N)
     grid = (min(n_tiles, max(1, _blocks(device, k, tl.smem) // col_tiles)), col_tiles)
     _launch.run(k.ptr, k.ctx, grid, THREADS, stream, s.argv_ptr, tl.smem)
+
+
+def _pack(g: Geometry, tl: Tiling, x, w, bias, y, mask, slope, scale, *wgrad) -> _launch._Scratch:
+    """ConvParams into this thread's argument buffer; ``wgrad``: gw, gb, part,
+    tiles_per_split, splits (zeros for the forward)."""
+    s = _scratch
+    _PARAMS.pack_into(
+        s.buf, 0, x, w, bias, y, mask, g.n, g.cin, g.h, g.w, g.cout, g.oh, g.ow, g.kh, g.kw,
+        *g.stride, *g.padding, *g.dilation, tl.c_log2, tl.tiles_h, tl.tiles_w, tl.cc, tl.kc_pad,
+        tl.patch_h, tl.patch_w, 0, slope, scale, 1.0, *(wgrad or (0, 0, 0, 0, 0)),
+    )  # fmt: skip
+    return s
+
+
+# ---- the weight and bias gradients (conv2d_wgrad.cu) ----
+
+WGRAD_DEPTH = 72  # kWgradDepth: the most depth (cc * kh * kw, padded) per chunk
+DZ_STRIDE = TILE_M + 4  # kDS
+# Two blocks per SM (the kernel's launch bounds): 228 KiB less 1 KiB each.
+WGRAD_SMEM = 113 * 1024
+
+
+@functools.lru_cache(maxsize=4096)
+def wgrad_tiling(g: Geometry, n_passes: int) -> Tiling | None:
+    """The weight gradient's tiling: the forward's rectangles (C = 128, 64 or
+    32), channel chunks of at most WGRAD_DEPTH depth, shared memory for the
+    koff table, the patch (or the halves' sums, 64 x 72, whichever is larger),
+    the dz tile (64 x DZ_STRIDE per part) and 64 bias sums; None if nothing fits
+    (then PyTorch's convolution backward)."""
+    parts = 2 if n_passes == 3 else 1
+    for c, ph, pw, cc, kc_pad, part in _layouts(g):
+        if kc_pad > WGRAD_DEPTH or (parts == 2 and part > PATCH_PART):
+            continue
+        region = max(2 * PATCH_PART if parts == 2 else part, TILE_N * WGRAD_DEPTH)
+        words = kc_pad + -(-region // 4) * 4 + parts * TILE_N * DZ_STRIDE + TILE_N
+        if 4 * words <= WGRAD_SMEM:
+            return _tiling(g, c, cc, kc_pad, ph, pw, 4 * words)
+    return None
+
+
+def wgrad_fits(g: Geometry, n_passes: int) -> bool:
+    """Whether the weight-gradient kernel applies (else PyTorch's backward)."""
+    return fits(g, n_passes) and wgrad_tiling(g, n_passes) is not None
+
+
+class WgradPlan(NamedTuple):
+    """One weight-gradient launch: tiling, the split of the tiles, the grid and
+    the float32 scratch it needs (partial sums per split)."""
+
+    tiling: Tiling
+    n_passes: int
+    tiles_per_split: int
+    splits: int
+    grid: tuple[int, int]
+    part_floats: int
+
+
+_wgrad_plans: dict[tuple, WgradPlan] = {}
+
+
+def wgrad_plan(device: int, dtype: str, precision: str, channels_last: bool, g: Geometry):
+    """The plan for this geometry on ``device`` (cached): one wave of blocks,
+    each a contiguous run of tiles, fixed by the shape and the device's SM
+    count, so that runs repeat bit for bit."""
+    n_passes = passes(dtype, precision)
+    key = (device, dtype, n_passes, channels_last, g)
+    plan = _wgrad_plans.get(key)
+    if plan is not None:
+        return plan
+    tl = wgrad_tiling(g, n_passes)
+    assert tl is not None, "callers check wgrad_fits()"
+    main, _ = wgrad_kernels(device, dtype, n_passes, channels_last)
+    _allow_smem(main, tl.smem)
+    tiles = g.n * tl.tiles_h * tl.tiles_w
+    columns = math.ceil(g.cout / TILE_N) * math.ceil(g.cin / tl.cc)
+    splits = max(1, min(tiles, _blocks(device, main, tl.smem) // columns))
+    per = max(1, -(-tiles // splits))
+    splits = max(1, -(-tiles // per))  # no empty split
+    k_total = g.cin * g.kh * g.kw
+    floats = splits * g.cout * (k_total + 1)
+    plan = WgradPlan(tl, n_passes, per, splits, (splits, columns), floats)
+    _wgrad_plans[key] = plan
+    return plan
+
+
+FINISH_THREADS = 256
+
+
+def launch_wgrad(
+    device: int,
+    dtype: str,
+    channels_last: bool,
+    g: Geometry,
+    plan: WgradPlan,
+    stream: int,
+    x: int,
+    dy: int,
+    mask: int,
+    gw: int,
+    gb: int,
+    part: int,
+    negative_slope,
+    divisor,
+    fname: str,
+) -> None:
+    """gw (and gb if ``gb``) of ``leaky_relu((conv2d(x, w) + bias) / divisor)``
+    from dy and the forward's mask: x, dy and the mask dense in one layout
+    (NCHW or NHWC, the mask in dy's memory order), gw OIHW, ``part`` a float32
+    buffer of ``plan.part_floats``. Every element of gw and gb is written."""
+    slope, scale = kernel_scalars("div_leaky_relu", negative_slope, divisor, False, fname)
+    main, finish = wgrad_kernels(device, dtype, plan.n_passes, channels_last)
+    s = _pack(
+        g, plan.tiling, x, 0, 0, dy, mask, slope, scale, gw, gb, part,
+        plan.tiles_per_split, plan.splits,
+    )  # fmt: skip
+    if g.n * g.oh * g.ow:
+        _launch.run(main.ptr, main.ctx, plan.grid, THREADS, stream, s.argv_ptr, plan.tiling.smem)
+    else:  # no positions: zero sums
+        s = _pack(g, plan.tiling, x, 0, 0, dy, mask, slope, scale, gw, gb, part, 0, 0)
+    outputs = g.cout * (g.cin * g.kh * g.kw + (1 if gb else 0))
+    grid = (math.ceil(outputs / FINISH_THREADS), 1)
+    _launch.run(finish.ptr, finish.ctx, grid, FINISH_THREADS, stream, s.argv_ptr)

@@ -33,14 +33,20 @@ def block(x, w, b, stride=1, padding=0, dilation=1, divisor=DIVISOR, slope=SLOPE
 # ---- NVRTC: compiles without a GPU; the PTX has what the design relies on ----
 
 
+SOURCES = {  # the fused convolution's modules: source and instantiations
+    "forward": (_conv.SOURCE, _conv.all_kernel_names()),
+    "wgrad": (_conv.WGRAD_SOURCE, _conv.all_wgrad_kernel_names()),
+}
+
+
 @functools.cache
-def compiled(arch: int):
+def compiled(arch: int, source: str = "forward"):
     from cupy_backends.cuda.libs import nvrtc
 
     from cupy_act._source import assembled_source
 
-    names = _conv.all_kernel_names()
-    prog = nvrtc.createProgram(assembled_source(_conv.SOURCE), "conv2d.cu", (), ())
+    fname, names = SOURCES[source]
+    prog = nvrtc.createProgram(assembled_source(fname), fname, (), ())
     try:
         for name in names:
             nvrtc.addNameExpression(prog, name)
@@ -48,7 +54,7 @@ def compiled(arch: int):
         nvrtc.compileProgram(prog, (*opts, f"-arch=sm_{arch}", "-Xptxas=-v"))
         log = nvrtc.getProgramLog(prog)
         nvrtc.destroyProgram(prog)
-        prog = nvrtc.createProgram(assembled_source(_conv.SOURCE), "conv2d.cu", (), ())
+        prog = nvrtc.createProgram(assembled_source(fname), fname, (), ())
         for name in names:
             nvrtc.addNameExpression(prog, name)
         nvrtc.compileProgram(prog, (*opts, f"-arch=compute_{arch}"))
@@ -58,18 +64,17 @@ def compiled(arch: int):
     return ptx, log
 
 
+@pytest.mark.parametrize("source", list(SOURCES))
 @pytest.mark.parametrize("arch", [80, 90, 100, 120])
-def test_fused_kernel_ptx(arch):
+def test_fused_kernel_ptx(arch, source):
     """Tensor-core TF32 MMAs, no flushing arithmetic, no local memory, and the
     parameter block the host packs; ptxas reports no spills."""
-    ptx, log = compiled(arch)
+    ptx, log = compiled(arch, source)
     assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in ptx
     assert "cvt.rna.tf32.f32" in ptx
     assert ".ftz" not in ptx
     assert ".local" not in ptx and "__local_depot" not in ptx
-    assert len(re.findall(r"^\.(?:visible|weak) \.entry ", ptx, re.M)) == len(
-        _conv.all_kernel_names()
-    )
+    assert len(re.findall(r"^\.(?:visible|weak) \.entry ", ptx, re.M)) == len(SOURCES[source][1])
     sizes = set(re.findall(r"\.param \.align \d+ \.b8 \S+_param_0\[(\d+)\]", ptx))
     assert sizes == {str(_conv._PARAMS.size)}
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
@@ -273,17 +278,18 @@ def _layout(t, cl):
     return t.contiguous(memory_format=torch.channels_last) if cl else t
 
 
+# (dtype, algorithm) pairs of the fused kernels' accuracy grids
+FUSED_KINDS = [
+    (torch.float32, "fused"),
+    (torch.float32, "fused_tf32"),
+    (torch.float16, "fused"),
+    (torch.bfloat16, "fused"),
+]
+
+
 @gpu
 @pytest.mark.parametrize("cl", [False, True], ids=["nchw", "nhwc"])
-@pytest.mark.parametrize(
-    "dtype, algorithm",
-    [
-        (torch.float32, "fused"),
-        (torch.float32, "fused_tf32"),
-        (torch.float16, "fused"),
-        (torch.bfloat16, "fused"),
-    ],
-)
+@pytest.mark.parametrize("dtype, algorithm", FUSED_KINDS)
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[f"case{i}" for i in range(len(CASES))])
 def test_fused_forward_accuracy(case, dtype, algorithm, cl):
     xs, ws, stride, padding, dilation = CASES[case]
@@ -556,6 +562,8 @@ def test_conv_bench_script(tmp_path):
         "conv_bench.py", [*args, "--markdown", str(tmp_path / "c.md")], tmp_path / "c.json"
     )
     impls = [r["impl"] for r in out["rows"]]
-    assert impls == ["eager", *["exact", "channels_last", "fused", "fused_tf32", "auto"]]
+    kernel = ["fused wgrad-kernel", "fused_tf32 wgrad-kernel"]
+    assert impls == ["eager", "exact", "channels_last", "fused", "fused_tf32", "auto", *kernel]
     assert all(r["forward_ms"] > 0 and r["max_err"] < 1e-2 for r in out["rows"])
+    assert all(r["w_bwd_ms"] > 0 and r["w_fwd_bwd_ms"] > 0 for r in out["rows"])
     assert "| 16to32 | fused |" in (tmp_path / "c.md").read_text()

@@ -107,6 +107,58 @@ def _(x, weight, bias, divisor, negative_slope, stride, padding, dilation, tf32,
     return y, x.new_empty(n, dtype=torch.uint8)
 
 
+def fused_wgrad(
+    x: Tensor, gy: Tensor, mask: Tensor, weight_shape, with_bias: bool, divisor, slope,
+    stride, padding, dilation, tf32: bool,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(gw, gb) of the fused block from the upstream gradient and the forward's
+    mask, in one pass over dy, the mask and x (``cuda/conv2d_wgrad.cu``); gb is
+    empty without ``with_bias``. x's layout decides, as in the forward."""
+    g = _conv.geometry(FNAME, x.shape, weight_shape, stride, padding, dilation)
+    cl = _impl.is_channels_last(x)
+    fmt = torch.channels_last if cl else torch.contiguous_format
+    x = x.contiguous(memory_format=fmt)
+    gy = gy.contiguous(memory_format=fmt)
+    dev = x.get_device()
+    dtype = _impl.DTYPE_NAMES[x.dtype]
+    plan = _conv.wgrad_plan(dev, dtype, "tf32" if tf32 else "fp32", cl, g)
+    part = torch.empty(plan.part_floats, dtype=torch.float32, device=x.device)
+    gw = torch.empty(tuple(weight_shape), dtype=x.dtype, device=x.device)
+    gb = x.new_empty(g.cout if with_bias else 0)
+    _conv.launch_wgrad(
+        dev, dtype, cl, g, plan, _impl._raw_stream(dev), x.data_ptr(), gy.data_ptr(),
+        mask.data_ptr(), gw.data_ptr(), gb.data_ptr() if with_bias else 0, part.data_ptr(),
+        slope, divisor, FNAME,
+    )  # fmt: skip
+    return gw, gb
+
+
+@torch.library.custom_op("cupy_act::conv2d_div_leaky_relu_wgrad", mutates_args=())
+def wgrad_op(
+    x: Tensor,
+    gy: Tensor,
+    mask: Tensor,
+    weight_shape: list[int],
+    with_bias: bool,
+    divisor: float,
+    negative_slope: float,
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    tf32: bool,
+) -> tuple[Tensor, Tensor]:
+    return fused_wgrad(
+        x, gy, mask, weight_shape, with_bias, divisor, negative_slope, stride, padding,
+        dilation, tf32,
+    )  # fmt: skip
+
+
+@wgrad_op.register_fake
+def _(x, gy, mask, weight_shape, with_bias, *args):
+    gw = torch.empty(tuple(weight_shape), dtype=x.dtype, device=x.device)
+    return gw, x.new_empty(weight_shape[0] if with_bias else 0)
+
+
 def _setup(ctx, inputs, output):
     x, weight, bias, divisor, slope, stride, padding, dilation, tf32, with_mask = inputs
     if not with_mask:
@@ -115,23 +167,52 @@ def _setup(ctx, inputs, output):
     ctx.no_mask = False
     ctx.save_for_backward(x, weight, output[1])
     ctx.mark_non_differentiable(output[1])
-    ctx.args = (slope, divisor, stride, padding, dilation, _impl.is_channels_last(x))
+    ctx.args = (slope, divisor, stride, padding, dilation, _impl.is_channels_last(x), tf32)
     ctx.bias = None if bias is None else [bias.shape[0]]
 
 
 def _backward(ctx, gy, gmask):
+    """Without an input gradient, the fused weight gradient (dz never in
+    memory) where its kernel applies; else the mask backward of the
+    elementwise op (dz), then PyTorch's convolution backward."""
     if ctx.no_mask:
         raise RuntimeError(f"{FNAME}: this fused call ran without a mask; it has no backward")
     x, w, mask = ctx.saved_tensors
-    slope, divisor, stride, padding, dilation, cl = ctx.args
+    slope, divisor, stride, padding, dilation, cl, tf32 = ctx.args
+    need = ctx.needs_input_grad
+    with_bias = ctx.bias is not None and need[2]
+    rest = (None,) * 7
+    wgrad_only = not need[0] and (need[1] or with_bias)
+    if wgrad_only and _wgrad_fits(x, w, stride, padding, dilation, tf32):
+        gw, gb = wgrad_op(
+            x, gy, mask, list(w.shape), with_bias, divisor, slope, stride, padding, dilation, tf32
+        )
+        return None, gw if need[1] else None, gb if with_bias else None, *rest
     # d loss / d (conv + bias): the mask backward of the elementwise op.
     d = _library.backward_op(gy, mask, "div_leaky_relu", slope, divisor, cl)
-    need = ctx.needs_input_grad
-    out_mask = [need[0], need[1], ctx.bias is not None and need[2]]
+    out_mask = [need[0], need[1], with_bias]
     gx, gw, gb = torch.ops.aten.convolution_backward(
         d, x, w, ctx.bias, stride, padding, dilation, False, [0, 0], 1, out_mask
     )
-    return gx, gw, gb, None, None, None, None, None, None, None
+    return gx, gw, gb, *rest
+
+
+def _wgrad_fits(x: Tensor, w: Tensor, stride, padding, dilation, tf32: bool) -> bool:
+    """Whether the fused weight-gradient kernel takes this geometry (the
+    forward's kernel ran, so the dtype and device are its)."""
+    if not FUSED_WGRAD:
+        return False
+    g = _conv.geometry(FNAME, x.shape, w.shape, stride, padding, dilation)
+    return _conv.wgrad_fits(g, _conv.passes(_impl.DTYPE_NAMES[x.dtype], "tf32" if tf32 else "fp32"))
+
+
+# The fused weight gradient (cuda/conv2d_wgrad.cu) on or off (the default):
+# off, the backward is the mask backward then PyTorch's convolution backward.
+# Off until it measures faster: on an H100 at the seed shape its kernel took
+# 1.79 ms (3xTF32) and 1.40 ms (TF32) against 1.65-1.74 ms for the whole
+# previous backward (scripts/conv_bench.py compares the two in one run; see
+# docs/performance-notes.md).
+FUSED_WGRAD = False
 
 
 fused_op.register_autograd(_backward, setup_context=_setup)

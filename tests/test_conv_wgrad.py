@@ -1,0 +1,229 @@
+"""The fused convolution block's weight and bias gradients (cuda/conv2d_wgrad.cu).
+
+Where x needs no gradient (a first layer, the seed model), the backward of
+``conv2d_div_leaky_relu``'s fused algorithms can be one pass over dy, the
+mask and x (``conv.FUSED_WGRAD``, off by default until it measures faster).
+It cannot match cuDNN's summation order, so it is held to a stated accuracy
+against float64 (see ``wgrad_bound``) over the forward's 40 random shapes,
+both layouts and three dtypes; the same inputs give the same bits.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("cupy")
+
+from test_conv import CASES, DIVISOR, EPS, FUSED_KINDS, GEOMETRIES, SLOPE, _layout, _xwb  # noqa: E402
+
+import cupy_act.torch as ct  # noqa: E402
+from cupy_act import _conv, testing  # noqa: E402
+from cupy_act.torch import _impl, _library, conv  # noqa: E402
+
+gpu = pytest.mark.gpu
+conv2d_weight = torch.nn.grad.conv2d_weight
+
+
+# ---- tiling (anywhere) ----
+
+
+@pytest.mark.parametrize("n_passes", [1, 3])
+@pytest.mark.parametrize("xs, ws, stride, padding, dilation", GEOMETRIES)
+def test_wgrad_tiling_fits_shared_memory(xs, ws, stride, padding, dilation, n_passes):
+    g = _conv.geometry("f", xs, ws, stride, padding, dilation)
+    t = _conv.wgrad_tiling(g, n_passes)
+    assert t is not None and t.smem <= _conv.WGRAD_SMEM
+    rows, cols = _conv.TILE_M >> t.c_log2, 1 << t.c_log2
+    assert t.tiles_h * rows >= g.oh and t.tiles_w * cols >= g.ow
+    assert t.kc_pad % 8 == 0 and t.cc * g.kh * g.kw <= t.kc_pad <= _conv.WGRAD_DEPTH
+    if n_passes == 3:
+        assert (t.cc + 1) * t.patch_h * t.patch_w <= _conv.PATCH_PART
+
+
+def test_wgrad_tiling_takes_the_seed_shape_and_refuses_deep_filters():
+    seed = _conv.geometry("f", (128, 8, 128, 128), (64, 8, 3, 3))
+    t = _conv.wgrad_tiling(seed, 3)
+    assert t is not None and t.cc == 8 and t.kc_pad == 72  # one chunk: dy read once
+    nine = _conv.geometry("f", (1, 2, 20, 20), (4, 2, 9, 9))  # depth 81 per channel
+    assert _conv.wgrad_tiling(nine, 1) is None and not _conv.wgrad_fits(nine, 1)
+
+
+# ---- GPU ----
+
+
+def _forward(x, w, b, stride, padding, dilation, tf32):
+    s, p, d = (list(_conv.pair(v, n, "f", lo)) for v, n, lo in
+               ((stride, "s", 1), (padding, "p", 0), (dilation, "d", 1)))  # fmt: skip
+    y, mask = conv.fused_forward(x, w, b, DIVISOR, SLOPE, s, p, d, tf32, True)
+    return y, mask, (s, p, d)
+
+
+def wgrad_bound(x, dz, w_shape, spd, dtype, tf32):
+    """References and per-element bounds for gw and gb from dz (float64).
+
+    Products: 2^-20 relative for the 3xTF32 split, 2^-10 for TF32 (16-bit
+    inputs are exact); the float32 sums over at most N x OH x OW positions
+    add that many units of 2^-24, on the scale of the sum of |x dz|; rounding
+    the result to its dtype adds 2 eps of it.
+    """
+    s, p, d = spd
+    xd, dzd = x.double(), dz.double()
+    gw = conv2d_weight(xd, w_shape, dzd, s, p, d)
+    mag_w = conv2d_weight(xd.abs(), w_shape, dzd.abs(), s, p, d)
+    gb, mag_b = dzd.sum((0, 2, 3)), dzd.abs().sum((0, 2, 3))
+    terms = dz.shape[0] * dz.shape[2] * dz.shape[3] + 2
+    prod = 2.0**-10 if tf32 else 2.0**-20
+    tol_w = (prod + terms * 2.0**-24) * mag_w + 2 * EPS[dtype] * gw.abs() + 1e-30
+    tol_b = terms * 2.0**-24 * mag_b + 2 * EPS[dtype] * gb.abs() + 1e-30
+    return (gw, tol_w), (gb, tol_b)
+
+
+@gpu
+@pytest.mark.parametrize("cl", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype, algorithm", FUSED_KINDS)
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"case{i}" for i in range(len(CASES))])
+def test_fused_weight_gradient_accuracy(case, dtype, algorithm, cl):
+    xs, ws, stride, padding, dilation = CASES[case]
+    tf32 = algorithm == "fused_tf32"
+    x, w, b = _xwb(xs, ws, "cuda", dtype, seed=case)
+    x, w = _layout(x, cl), _layout(w, cl)
+    y, mask, spd = _forward(x, w, b, stride, padding, dilation, tf32)
+    gy = torch.randn_like(y)
+    dz = _library.backward_op(gy, mask, "div_leaky_relu", SLOPE, DIVISOR, _impl.is_channels_last(y))
+    gw, gb = conv.fused_wgrad(x, gy, mask, list(w.shape), True, DIVISOR, SLOPE, *spd, tf32)
+    assert gw.shape == w.shape and gw.dtype == dtype and gb.shape == b.shape
+    for ours, (ref, tol) in zip((gw, gb), wgrad_bound(x, dz, w.shape, spd, dtype, tf32)):
+        err = (ours.double() - ref).abs()
+        worst = (err / tol).max().item()
+        assert worst <= 1.0, f"error {err.max().item():.3g}, {worst:.2f}x the bound"
+
+
+@gpu
+@pytest.mark.parametrize("cl", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("algorithm", ["fused", "fused_tf32"])
+def test_fused_weight_gradient_repeats_bit_for_bit(algorithm, cl):
+    """Many splits (one wave of blocks over 640 tiles), two runs, the same bits."""
+    x, w, b = _xwb((10, 8, 64, 130), (40, 8, 3, 3), "cuda")
+    x, w = _layout(x, cl), _layout(w, cl)
+    y, mask, spd = _forward(x, w, b, 1, 1, 1, algorithm == "fused_tf32")
+    gy = torch.randn_like(y)
+    args = (x, gy, mask, list(w.shape), True, DIVISOR, SLOPE, *spd, algorithm == "fused_tf32")
+    first = conv.fused_wgrad(*args)
+    for _ in range(3):
+        for a, e in zip(conv.fused_wgrad(*args), first):
+            testing.assert_bits_equal(a, e)
+
+
+@gpu
+@pytest.mark.parametrize("cl", [False, True], ids=["nchw", "nhwc"])
+def test_non_finite_values_propagate_as_in_the_reference(cl):
+    """An inf in x that only positions past the output's edge would read
+    (stride 2 leaves column 127 unread) changes nothing; a NaN in dy makes
+    its channel's gradients NaN, as in float64."""
+    x, w, b = _xwb((2, 3, 21, 128), (70, 3, 3, 3), "cuda")
+    x[:, :, 5, 127] = float("inf")
+    x = _layout(x, cl)
+    y, mask, spd = _forward(x, w, b, 2, 0, 1, False)
+    assert y.shape[3] == 63  # 63 of a 64-column tile: one column past the edge
+    gy = torch.randn_like(y)
+    gy[1, 7, 3, 5] = float("nan")
+    dz = _library.backward_op(gy, mask, "div_leaky_relu", SLOPE, DIVISOR, _impl.is_channels_last(y))
+    gw, gb = conv.fused_wgrad(x, gy, mask, list(w.shape), True, DIVISOR, SLOPE, *spd, False)
+    (rw, tol_w), (rb, _) = wgrad_bound(x, dz, w.shape, spd, torch.float32, False)
+    assert torch.equal(gw.isnan(), rw.isnan()) and torch.equal(gb.isnan(), rb.isnan())
+    assert gw.isnan().sum() == w[7].numel() and not gw.isinf().any()
+    finite = ~rw.isnan()
+    assert ((gw.double() - rw).abs()[finite] <= tol_w[finite]).all()
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cl", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("needs", ["weight_and_bias", "weight", "bias"])
+def test_autograd_without_an_input_gradient_takes_the_fused_pass(dtype, cl, needs, monkeypatch):
+    """Through autograd, x needing no gradient: the fused weight gradient, not
+    the mask backward (counted), within FP32 (bfloat16) accuracy of the
+    previous path (mask backward + PyTorch's convolution backward)."""
+    x0, w0, b0 = _xwb((3, 6, 23, 37), (10, 6, 3, 3), "cuda", dtype)
+    x0, w0 = _layout(x0, cl), _layout(w0, cl)
+    gy = torch.randn(3, 10, 12, 19, device="cuda", dtype=dtype)
+    calls = []
+    backward_op = _library.backward_op
+    monkeypatch.setattr(_library, "backward_op", lambda *a: calls.append(1) or backward_op(*a))
+    grads = {}
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        for fused in (True, False):
+            monkeypatch.setattr(conv, "FUSED_WGRAD", fused)
+            w = w0.clone().requires_grad_(needs != "bias")
+            b = b0.clone().requires_grad_(needs != "weight")
+            y = ct.conv2d_div_leaky_relu(x0, w, b, DIVISOR, SLOPE, 2, 1, 1, "fused")
+            y.backward(gy)
+            grads[fused] = (w.grad, b.grad)
+            assert len(calls) == (0 if fused else 1)
+    finally:
+        torch.backends.cudnn.allow_tf32 = True
+    rtol = 1e-5 if dtype == torch.float32 else 1e-2
+    for ours, ref in zip(*grads.values()):
+        assert (ours is None) == (ref is None)
+        if ref is not None:
+            rel = ((ours.double() - ref.double()).norm() / ref.double().norm()).item()
+            assert rel <= rtol, rel
+
+
+@pytest.fixture
+def fused_wgrad(monkeypatch):
+    """The fused weight gradient switched on (it is off by default)."""
+    monkeypatch.setattr(conv, "FUSED_WGRAD", True)
+
+
+@gpu
+def test_fused_weight_gradient_under_torch_compile_and_opcheck(fused_wgrad):
+    x, w, b = _xwb((2, 3, 16, 16), (8, 3, 3, 3), "cuda")
+
+    def f(x, w, b):
+        return ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, SLOPE, 1, 1, algorithm="fused")
+
+    compiled = torch.compile(f, fullgraph=True)
+    got = [t.clone().requires_grad_(t is not x) for t in (x, w, b)]
+    compiled(*got).square().sum().backward()
+    ref = [t.clone().requires_grad_(t is not x) for t in (x, w, b)]
+    f(*ref).square().sum().backward()
+    for a, e in zip(got[1:], ref[1:]):
+        testing.assert_bits_equal(a.grad, e.grad)
+    y, mask, spd = _forward(x, w, b, 1, 1, 1, False)
+    args = (x, torch.randn_like(y), mask, list(w.shape), True, DIVISOR, SLOPE, *spd, False)
+    torch.library.opcheck(conv.wgrad_op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+@gpu
+def test_empty_batch_gives_zero_gradients(fused_wgrad):
+    x, w, b = _xwb((0, 3, 9, 11), (5, 3, 3, 3), "cuda")
+    w.requires_grad_(), b.requires_grad_()
+    w.grad = None
+    ct.conv2d_div_leaky_relu(x, w, b, algorithm="fused").sum().backward()
+    assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
+
+
+@gpu
+def test_seed_block_gradient_within_10x_eager_error():
+    """The seed model's layer at a reduced batch (many tiles per split), from
+    one forward's mask: the weight and bias gradients' error against float64
+    at most 10x that of PyTorch's convolution backward (cuDNN, no TF32) on the
+    same dz. (Gradients from two forwards' masks would differ wherever an
+    output within rounding of 0 changed sign.)"""
+    conv2 = torch.nn.Conv2d(8, 64, 3).cuda()
+    w, b = conv2.weight.detach(), conv2.bias.detach()
+    x = torch.randn(8, 8, 128, 128, device="cuda")
+    y, mask, spd = _forward(x, w, b, 1, 0, 1, False)
+    gy = torch.randn_like(y)
+    dz = _library.backward_op(gy, mask, "div_leaky_relu", SLOPE, DIVISOR, False)
+    (rw, _), (rb, _) = wgrad_bound(x, dz, w.shape, spd, torch.float32, False)
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        ew, eb = conv2d_weight(x, w.shape, dz, *spd), dz.sum((0, 2, 3))
+    finally:
+        torch.backends.cudnn.allow_tf32 = True
+    gw, gb = conv.fused_wgrad(x, gy, mask, list(w.shape), True, DIVISOR, SLOPE, *spd, False)
+    for ours, eager, ref in ((gw, ew, rw), (gb, eb, rb)):
+        err = (ours.double() - ref).abs().max().item()
+        assert err <= 10 * (eager.double() - ref).abs().max().item(), err
