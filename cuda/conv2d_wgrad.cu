@@ -55,8 +55,9 @@ __device__ __forceinline__ u32 mask_bits4(const u32* mask, long long e, int vali
 }
 
 // acc += dz * patch over 8 positions (p0 .. p0 + 7 of the tile) of this
-// warp: a_addr / b_addr the shared addresses of its A rows and its B column
-// offsets at position 0. kGuard: positions of the step outside the output
+// warp: a_row the shared address of its A row at position p0, kb its B
+// columns' patch offsets, mo0 / mo1 the patch offsets of positions p0 + t
+// and p0 + t + 4 (bytes). kGuard: positions of the step outside the output
 // (`live` bit j: position p0 + t + 4j exists) take zero patch operands.
 template <int kPasses, bool kGuard>
 __device__ __forceinline__ void wgrad_step(float (&acc)[2][9][4], u32 a_row, const int (&kb)[9],

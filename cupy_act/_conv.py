@@ -453,14 +453,14 @@ def launch_wgrad(
     buffer of ``plan.part_floats``. Every element of gw and gb is written."""
     slope, scale = kernel_scalars("div_leaky_relu", negative_slope, divisor, False, fname)
     main, finish = wgrad_kernels(device, dtype, plan.n_passes, channels_last)
+    positions = g.n * g.oh * g.ow
+    splits = plan.splits if positions else 0  # no positions: the finish writes zeros
     s = _pack(
         g, plan.tiling, x, 0, 0, dy, mask, slope, scale, gw, gb, part,
-        plan.tiles_per_split, plan.splits,
+        plan.tiles_per_split, splits,
     )  # fmt: skip
-    if g.n * g.oh * g.ow:
+    if positions:
         _launch.run(main.ptr, main.ctx, plan.grid, THREADS, stream, s.argv_ptr, plan.tiling.smem)
-    else:  # no positions: zero sums
-        s = _pack(g, plan.tiling, x, 0, 0, dy, mask, slope, scale, gw, gb, part, 0, 0)
     outputs = g.cout * (g.cin * g.kh * g.kw + (1 if gb else 0))
     grid = (math.ceil(outputs / FINISH_THREADS), 1)
     _launch.run(finish.ptr, finish.ctx, grid, FINISH_THREADS, stream, s.argv_ptr)

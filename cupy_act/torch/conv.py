@@ -20,7 +20,9 @@ with a choice of algorithm.
 Where the fused kernel does not apply (CPU tensors, float64, a padding string
 it cannot express, an image beyond 2^31 elements) ``"fused"`` falls back to
 ``"exact"``. Training through the fused kernel saves x, the weight and the
-1-bit mask; backward applies the mask, then PyTorch's convolution backward.
+1-bit mask; backward applies the mask, then PyTorch's convolution backward
+(or, where x needs no gradient and ``FUSED_WGRAD`` is set, one kernel for
+the weight and bias gradients: ``cuda/conv2d_wgrad.cu``).
 """
 
 from __future__ import annotations
