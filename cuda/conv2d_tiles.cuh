@@ -40,10 +40,15 @@ constexpr int kCSL = kBN + 4;  // epilogue tile, NHWC: [kBM][kCSL]
 // (cupy_act/_conv.py) computes the same sizes.
 constexpr int kEpilogueFloats = kBM * kCSL > kBN* kCS ? kBM * kCSL : kBN * kCS;
 
+// cvt.rna.tf32.f32 in integer operations: add half a TF32 unit to the
+// magnitude's bits, then drop the low 13 (a carry into the exponent is the
+// correct rounding; a finite value past the largest TF32 one becomes inf, as
+// cvt gives). sm_80/sm_90 emulate the cvt with a longer sequence. NaN stays
+// NaN (the canonical one: a payload in the low bits alone would otherwise
+// turn into inf).
 __device__ __forceinline__ u32 to_tf32(float x) {
-  u32 r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
+  const u32 b = __float_as_uint(x);
+  return (b & 0x7fffffffu) > 0x7f800000u ? 0x7fffffffu : (b + 0x1000u) & 0xffffe000u;
 }
 
 __device__ __forceinline__ bool finite_bits(u32 b) { return (b & 0x7f800000u) != 0x7f800000u; }
@@ -135,18 +140,6 @@ __device__ __forceinline__ void put_split(u32* dst, int e, int small, float x) {
   split<kPasses>(x, big, lo);
   dst[e] = big;
   if (kPasses == 3) dst[e + small] = lo;
-}
-
-
-// Four consecutive x (e % 4 == 0, dst 16-byte aligned) split into shared
-// memory with 16-byte stores, the small parts at e + small.
-template <int kPasses>
-__device__ __forceinline__ void put_split4(u32* dst, int e, int small, const float (&x)[4]) {
-  u32 big[4], lo[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) split<kPasses>(x[j], big[j], lo[j]);
-  *reinterpret_cast<uint4*>(dst + e) = make_uint4(big[0], big[1], big[2], big[3]);
-  if (kPasses == 3) *reinterpret_cast<uint4*>(dst + e + small) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
 }
 
 // koff[k]: the byte offset in the patch of depth k = (ci, r, s) of a chunk;

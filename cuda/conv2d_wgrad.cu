@@ -14,14 +14,22 @@
 //
 // An implicit GEMM on tensor cores, the forward's transposed: rows co (the
 // block's 64 output channels), columns k = (ci, kh, kw) of one chunk of cc
-// input channels (at most 72 of depth), reduced over output positions m. Each
-// block walks a fixed, contiguous run of 128-position tiles (the forward's
-// rectangles) and per tile copies dz (A: [co][m], split as x is) and the input
-// patch (B: [m][k] at moff(m) + koff(k), as in the forward) into shared
-// memory. Warp w takes channels 32 (w & 1) .. + 31 and half the tile's
-// positions, 64 (w >> 1) .. + 63; the two halves' sums are added in shared
-// memory at the end, in a fixed order. Precision as the forward's: 3xTF32
-// for float32 ("fp32"), one TF32 pass otherwise; float32 accumulation.
+// input channels (at most 72 of depth, always 9 column tiles of 8: padding
+// depth reads a zero plane, so no MMA sits behind a branch), reduced over
+// output positions m. The bias gradient is a tenth column tile, all ones.
+// Each block walks a fixed, contiguous run of 128-position tiles (the
+// forward's rectangles, output rows fastest) and per tile copies dz (A:
+// [co][m], floats, split into TF32 parts as its fragments are loaded: each is
+// loaded once) and the input patch (B: [m][k] at moff(m) + koff(k), split as
+// it is stored: each is read up to kh x kw times) into shared memory. One-row
+// tiles (NCHW, C = 128) keep the patch as a ring of rows, so that the next
+// output row copies only the sh input rows it does not share. Warp w takes
+// channels 32 (w & 1) .. + 31 and half the tile's positions, 64 (w >> 1) ..
+// + 63; the two halves' sums are added in shared memory at the end, in a
+// fixed order. Precision as the forward's: 3xTF32 for float32 ("fp32"), one
+// TF32 pass otherwise (the bias gradient keeps FP32 accuracy either way);
+// float32 accumulation. 156-168 registers and at most 75 KB of shared memory
+// (67 KB at the seed shape with 3xTF32): three blocks per SM.
 //
 // Deterministic: a split's tiles, the warps' order of positions and the final
 // sum over splits (in double, in order of s) are fixed by the shape and the
@@ -40,102 +48,236 @@
 
 namespace cupy_act {
 
-constexpr int kDS = kBM + 4;       // dz tile row stride: [kBN][kDS], (4g + t) % 32 distinct
-constexpr int kDzPart = kBN * kDS;  // words from a dz word to its small part
-constexpr int kWgradDepth = 72;     // the most depth per chunk (9 column tiles of 8)
+// dz tile row stride: [kBN][kDS]; the A fragments' 8-byte loads (row g,
+// words 2t, 2t + 1) hit banks (8g + 2t) % 32, distinct in each half warp.
+constexpr int kDS = kBM + 8;
+constexpr int kWgradDepth = 72;     // depth per chunk (9 column tiles of 8; padding reads zeros)
+constexpr int kWgradCols = kWgradDepth / 8;
 
-// The mask bits of elements e .. e + valid - 1 (valid <= 4), bit j = element e + j.
-__device__ __forceinline__ u32 mask_bits4(const u32* mask, long long e, int valid) {
-  if (valid <= 0) return 0u;
-  const long long wi = e >> 5;
-  const int sh = (int)(e & 31);
-  u32 bits = __ldg(mask + wi) >> sh;
-  if (sh + valid > 32) bits |= __ldg(mask + wi + 1) << (32 - sh);
-  return bits & ((1u << valid) - 1u);
+// Predicated loads (read-only data): the value where `pred`, else zero bits;
+// no branch, and no memory access where false.
+template <typename T>
+__device__ __forceinline__ T ldg_if(const T* src, bool pred) {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 2, "32- or 16-bit elements");
+  union {
+    T v;
+    u32 w;
+    u16 h;
+  } r;
+  if (sizeof(T) == 4)
+    asm("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n mov.b32 %0, 0;\n"
+        " @q ld.global.nc.b32 %0, [%1];\n}"
+        : "=r"(r.w) : "l"(src), "r"((int)pred));
+  else
+    asm("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n mov.b16 %0, 0;\n"
+        " @q ld.global.nc.b16 %0, [%1];\n}"
+        : "=h"(r.h) : "l"(src), "r"((int)pred));
+  return r.v;
 }
 
-// acc += dz * patch over 8 positions (p0 .. p0 + 7 of the tile) of this
-// warp: a_row the shared address of its A row at position p0, kb its B
-// columns' patch offsets, mo0 / mo1 the patch offsets of positions p0 + t
-// and p0 + t + 4 (bytes). kGuard: positions of the step outside the output
-// (`live` bit j: position p0 + t + 4j exists) take zero patch operands.
-template <int kPasses, bool kGuard>
-__device__ __forceinline__ void wgrad_step(float (&acc)[2][9][4], u32 a_row, const int (&kb)[9],
-                                           u32 patch_addr, int mo0, int mo1, int nj, u32 live) {
+// src[0 .. 3] from a (4 * sizeof(T))-byte aligned address where `pred`, else zeros.
+template <typename T>
+__device__ __forceinline__ void ldg4_if(const T* src, bool pred, T (&d)[4]) {
+  union {
+    T e[4];
+    u32 w[4];
+  } r;
+  if (sizeof(T) == 4)
+    asm("{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n"
+        " mov.b32 %2, 0;\n mov.b32 %3, 0;\n @q ld.global.nc.v4.b32 {%0, %1, %2, %3}, [%4];\n}"
+        : "=r"(r.w[0]), "=r"(r.w[1]), "=r"(r.w[2]), "=r"(r.w[3])
+        : "l"(src), "r"((int)pred));
+  else
+    asm("{\n .reg .pred q;\n setp.ne.b32 q, %3, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n"
+        " @q ld.global.nc.v2.b32 {%0, %1}, [%2];\n}"
+        : "=r"(r.w[0]), "=r"(r.w[1]) : "l"(src), "r"((int)pred));
+#pragma unroll
+  for (int j = 0; j < 4; ++j) d[j] = r.e[j];
+}
+
+// dy[e .. e + valid - 1] (valid <= 4, dy_e = dy + e) and their mask bits (bit
+// j: element e + j); zero bits past `valid`, no access there. vec4 (e % 4 ==
+// 0, dy 4-element aligned, valid 0 or 4): one vector load and one mask word;
+// otherwise scalar loads and two mask words (the second only where the run
+// crosses into it).
+template <typename T>
+__device__ __forceinline__ void load_dz4(const T* dy_e, const u32* mask, long long e, int valid,
+                                         bool vec4, T (&d)[4], u32& bits) {
+  const u32* m = mask + (e >> 5);
+  const int sh = (int)(e & 31);
+  if (vec4) {
+    ldg4_if(dy_e, valid > 0, d);
+    bits = ldg_if(m, valid > 0) >> sh;
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) d[j] = ldg_if(dy_e + j, j < valid);
+  const u32 lo = ldg_if(m, valid > 0), hi = ldg_if(m + 1, sh + valid > 32);
+  bits = __funnelshift_r(lo, hi, sh);
+}
+
+// dz's A operands from its float in shared memory. Three passes: split<3>
+// (big, small). One pass: big = tf32(dz); for float32 also small = tf32(dz -
+// big) (0 if big is not finite), which only the bias gradient's MMAs use, so
+// that gb keeps FP32 accuracy at either precision. (float16 and bfloat16
+// values are exact in TF32: no small part.)
+template <typename T, int kPasses>
+__device__ __forceinline__ void dz_operands(float v, u32& big, u32& small) {
+  if (kPasses == 3) {
+    split<3>(v, big, small);
+    return;
+  }
+  big = to_tf32(v);
+  if (sizeof(T) != 4) return;
+  float r;
+  asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(v), "f"(__uint_as_float(big)));
+  small = finite_bits(big) ? to_tf32(r) : 0u;
+}
+
+// acc += dz * patch and accb += dz * 1 over 8 positions (p0 .. p0 + 7 of the
+// tile) of this warp. The MMA's reduction index k = t, t + 4 stands for
+// positions p0 + 2t, p0 + 2t + 1 (any order of the sum's terms serves, if A
+// and B agree), so that a thread's two dz values lie side by side. a_row: the
+// shared address of its dz row at position p0 + 2t; kb_addr the shared
+// address of its B columns' patch
+// offsets, mo0 / mo1 the patch offsets of positions p0 + 2t and p0 + 2t + 1
+// (bytes), ones the B operand of a column of ones (the bias gradient is dz
+// times it, on the tensor cores). kGuard: positions of the step outside the
+// output (`live` bit j: position p0 + 2t + j exists) take zero patch operands.
+template <typename T, int kPasses, bool kGuard>
+__device__ __forceinline__ void wgrad_step(float (&acc)[2][kWgradCols][4], float (&accb)[2][4],
+                                           u32 a_row, u32 kb_addr, u32 patch_addr,
+                                           int mo0, int mo1, u32 live, const u32 (&ones)[2]) {
   constexpr int kParts = kPasses == 3 ? 2 : 1;
-  u32 a[2][2][4], b[2][9][2];
+  constexpr bool kSmallA = kPasses == 3 || sizeof(T) == 4;
+  static_assert(kWgradCols % 3 == 0, "column tiles in groups of three");
+  u32 a[2][2][4];
 #pragma unroll
   for (int i = 0; i < 2; ++i)
 #pragma unroll
-    for (int q = 0; q < 4; ++q)  // q: (channel g or g + 8) x (position t or t + 4)
-      lds<kParts, kDzPart * 4>(a_row + (i * 16 * kDS + (q & 1) * 8 * kDS + (q >> 1) * 4) * 4,
-                               a[0][i][q], a[1][i][q]);
+    for (int h = 0; h < 2; ++h) {  // channel g or g + 8: positions 2t, 2t + 1 (k = t, t + 4)
+      float v0, v1;
+      asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];"
+                   : "=f"(v0), "=f"(v1)
+                   : "r"(a_row + (i * 16 * kDS + h * 8 * kDS) * 4));
+      dz_operands<T, kPasses>(v0, a[0][i][h], a[1][i][h]);
+      dz_operands<T, kPasses>(v1, a[0][i][h + 2], a[1][i][h + 2]);
+    }
+  // Column tiles in groups of three: each pass's MMAs over a group are six
+  // independent accumulators back to back (the three passes of one
+  // accumulator in a row would wait on each other), with the group's B
+  // operands only in registers.
 #pragma unroll
-  for (int j = 0; j < 9; ++j) {
-    if (j < nj) {
+  for (int j0 = 0; j0 < kWgradCols; j0 += 3) {
+    u32 b[3][2][2];
+#pragma unroll
+    for (int jj = 0; jj < 3; ++jj) {
+      u32 kb;  // the offset of column 8 (j0 + jj) + g (a table: registers are short)
+      asm volatile("ld.shared.u32 %0, [%1];" : "=r"(kb) : "r"(kb_addr + (j0 + jj) * 32));
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
-        lds<kParts, kPatchPart * 4>(patch_addr + (q ? mo1 : mo0) + kb[j], b[0][j][q], b[1][j][q]);
-        if (kGuard && !((live >> q) & 1u)) b[0][j][q] = b[1][j][q] = 0u;
+        lds<kParts, kPatchPart * 4>(patch_addr + (q ? mo1 : mo0) + kb, b[jj][0][q], b[jj][1][q]);
+        if (kGuard && !((live >> q) & 1u)) b[jj][0][q] = b[jj][1][q] = 0u;
       }
     }
+    if (kPasses == 3) {
+#pragma unroll
+      for (int jj = 0; jj < 3; ++jj)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) mma_tf32(acc[i][j0 + jj], a[1][i], b[jj][0]);
+#pragma unroll
+      for (int jj = 0; jj < 3; ++jj)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) mma_tf32(acc[i][j0 + jj], a[0][i], b[jj][1]);
+    }
+#pragma unroll
+    for (int jj = 0; jj < 3; ++jj)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) mma_tf32(acc[i][j0 + jj], a[0][i], b[jj][0]);
   }
-  if (kPasses == 3) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int j = 0; j < 9; ++j)
-        if (j < nj) mma_tf32(acc[i][j], a[1][i], b[0][j]);
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int j = 0; j < 9; ++j)
-        if (j < nj) mma_tf32(acc[i][j], a[0][i], b[1][j]);
+  for (int i = 0; i < 2; ++i) {
+    if (kSmallA) mma_tf32(accb[i], a[1][i], ones);
+    mma_tf32(accb[i], a[0][i], ones);
   }
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < 9; ++j)
-      if (j < nj) mma_tf32(acc[i][j], a[0][i], b[0][j]);
 }
 
-// load_patch's NCHW case with more loads in flight: the block's threads walk
-// (patch row, 4-column group) items kBatch at a time, all loads of a batch
-// issued before any conversion (one memory latency per batch, not per row).
+// put_split where `pred` (predicated stores: no branch).
+template <int kPasses>
+__device__ __forceinline__ void put_split_if(u32* dst, int e, float x, bool pred) {
+  u32 big, small;
+  split<kPasses>(x, big, small);
+  const u32 addr = (u32)__cvta_generic_to_shared(dst + e);
+  asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q st.shared.u32 [%0], %1;\n}"
+               :: "r"(addr), "r"(big), "r"((int)pred));
+  if (kPasses == 3)
+    asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q st.shared.u32 [%0+%3], %1;\n}"
+                 :: "r"(addr), "r"(small), "r"((int)pred), "n"(kPatchPart * 4));
+}
+
+// The patch row slot of logical row l (0 <= l < PH) of a tile whose first
+// row sits in slot `base` (a ring of PH rows per channel; base 0: row l in slot l).
+__device__ __forceinline__ int ring_slot(int base, int l, int ph) {
+  const int s = base + l;
+  return s >= ph ? s - ph : s;
+}
+
+// load_patch's NCHW case for the weight gradient, logical rows l0 .. l0 + nr
+// - 1 of each channel (the others are still in the ring from the previous
+// tile), row l into slot ring_slot(base, l). The block's threads walk
+// (row, 4-column group) items kBatch at a time, all loads of a batch issued
+// before any conversion; a thread's items advance by kConvThreads, (row,
+// group) carried forward without a division. vec: the rows' 4-element
+// vectors line up with the groups (w_in % 4 == 0, iw_base % 4 == 0, x
+// aligned), so a group inside the image is one vector load.
 template <typename T, int kPasses, int kBatch>
 __device__ __forceinline__ void load_patch_nchw(u32* patch, const ConvParams& p, const T* xn,
-                                                int c0, int ih_base, int iw_base, int tid) {
+                                                int c0, int ih_base, int iw_base, int tid,
+                                                bool vec, int l0, int nr, int base) {
   const int groups = (p.patch_w + 3) >> 2;
-  const int items = p.cc * p.patch_h * groups;
-  for (int i0 = tid; i0 < items; i0 += kBatch * kConvThreads) {
+  const int rows = p.cc * nr;
+  const int step_row = kConvThreads / groups, step_group = kConvThreads - step_row * groups;
+  int row = tid / groups, group = tid - row * groups;
+  while (row < rows) {
     float v[kBatch][4];
+    int it_dst[kBatch], it_pc[kBatch];  // the item's patch row (-1: none) and column
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      const int item = i0 + b * kConvThreads;
-      const int row = item / groups, pc = (item - row * groups) * 4;
-      const int c = row / p.patch_h, ih = ih_base + row - c * p.patch_h;
-      const bool row_ok = item < items && (unsigned)ih < (unsigned)p.h && c0 + c < p.cin;
-      const T* src = xn + ((long long)(c0 + c) * p.h + ih) * p.w_in + iw_base + pc;
+      const int c = row / nr, l = l0 + row - c * nr, ih = ih_base + l;
+      it_dst[b] = row < rows ? c * p.patch_h + ring_slot(base, l, p.patch_h) : -1;
+      it_pc[b] = group * 4;
+      const int iw = iw_base + group * 4;
+      const bool row_ok = row < rows && (unsigned)ih < (unsigned)p.h && c0 + c < p.cin;
+      const T* src = xn + ((long long)(c0 + c) * p.h + ih) * p.w_in + iw;
+      // Both kinds of load, predicated: one vector inside the image, else
+      // the scalars that lie in it (no branch, no access outside the image).
+      const bool whole = vec && row_ok && iw >= 0 && iw + 3 < p.w_in;
+      T e[4];
+      ldg4_if(src, whole, e);
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
-        v[b][j] = row_ok && (unsigned)(iw_base + pc + j) < (unsigned)p.w_in
-                      ? Num<T>::to_op(src[j])
-                      : 0.f;
+      for (int j = 0; j < 4; ++j) {
+        const T s = ldg_if(src + j, !whole && row_ok && (unsigned)(iw + j) < (unsigned)p.w_in);
+        v[b][j] = Num<T>::to_op(whole ? e[j] : s);
+      }
+      group += step_group;
+      row += step_row;
+      if (group >= groups) {
+        group -= groups;
+        ++row;
+      }
     }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      const int item = i0 + b * kConvThreads;
-      if (item >= items) break;
-      const int row = item / groups, pc = (item - row * groups) * 4;
+      u32* dst = patch + max(it_dst[b], 0) * p.patch_w;
 #pragma unroll
       for (int j = 0; j < 4; ++j)
-        if (pc + j < p.patch_w) put_split<kPasses>(patch + row * p.patch_w, pc + j, kPatchPart, v[b][j]);
+        put_split_if<kPasses>(dst, it_pc[b] + j, v[b][j], it_dst[b] >= 0 && it_pc[b] + j < p.patch_w);
     }
   }
 }
 
 template <typename T, int kPasses, bool kChannelsLast>
-__global__ void __launch_bounds__(kConvThreads, 2) conv2d_wgrad_kernel(const ConvParams p) {
+__global__ void __launch_bounds__(kConvThreads, 3) conv2d_wgrad_kernel(const ConvParams p) {
   static_assert(kPasses == 1 || kPasses == 3, "one TF32 pass or the 3xTF32 split");
   extern __shared__ __align__(16) float smem[];
   const T* x = static_cast<const T*>(p.x);
@@ -151,33 +293,44 @@ __global__ void __launch_bounds__(kConvThreads, 2) conv2d_wgrad_kernel(const Con
   const int kc = min(p.cc, p.cin - c0) * khw;  // this chunk's real depth
   const int plane = p.patch_h * p.patch_w;
 
-  // Shared memory (see _conv.wgrad_tiling): koff [kc_pad] | the patch ([cc + 1]
-  // planes, the last one zero; small parts at + kPatchPart), reused at the
-  // end for the two halves' sums | dz [kBN][kDS] (small parts at + kDzPart) |
+  // Shared memory (see _conv.wgrad_tiling): koff [kWgradDepth] | this tile's
+  // B column offsets kbt [kWgradDepth] | the patch ([cc + 1] planes of PH
+  // rows, the last plane zero; small parts at + kPatchPart), reused at the
+  // end for the two halves' sums | dz [kBN][kDS], as floats | the halves'
   // bias sums [kBN].
   constexpr int kParts = kPasses == 3 ? 2 : 1;
   int* koff = reinterpret_cast<int*>(smem);
-  u32* patch = reinterpret_cast<u32*>(smem) + p.kc_pad;
+  int* kbt = koff + kWgradDepth;
+  u32* patch = reinterpret_cast<u32*>(smem) + 2 * kWgradDepth;
   const int patch_words = kParts == 2 ? 2 * kPatchPart : (p.cc + 1) * plane;
   const int region = patch_words > kBN * kWgradDepth ? patch_words : kBN * kWgradDepth;
-  u32* dzs = patch + ((region + 3) & ~3);  // 16-byte aligned (kc_pad is a multiple of 8)
-  float* bsum = reinterpret_cast<float*>(dzs + kParts * kDzPart);
+  float* dzs = reinterpret_cast<float*>(patch + ((region + 3) & ~3));  // 16-byte aligned
+  float* bsum = dzs + kBN * kDS;
 
-  build_koff(koff, p, tid);
+  // koff[k], depth k = (ci, r, s) of the chunk: the patch word of its channel
+  // plane and column, ci * plane + s * dw (< 2^16: the patch is at most 75
+  // KB), and (bits 16 up) its row r * dh (< PH); depth past the chunk's
+  // points at the zero plane.
+  for (int k = tid; k < kWgradDepth; k += kConvThreads) {
+    int e = p.cc * plane;
+    if (k < kc) {
+      const int ci = k / khw, rs = k - ci * khw, r = rs / p.kw, s = rs - r * p.kw;
+      e = (ci * plane + s * p.dw) | (r * p.dh) << 16;
+    }
+    koff[k] = e;
+  }
   for (int i = tid; i < plane; i += kConvThreads)
     put_split<kPasses>(patch, p.cc * plane + i, kPatchPart, 0.f);
-  for (int i = tid; i < kBN; i += kConvThreads) bsum[i] = 0.f;
   __syncthreads();
 
-  // This thread's A row (channel 32 wm + g, position t) and B columns (depth
-  // 8j + g of each column tile j < nj: the byte offsets koff, kept in registers).
+  // This thread's A row (channel 32 wm + g, position 2t) and B columns (depth
+  // 8j + g of column tile j: their byte offsets in the patch, kbt, per tile).
   const int wm = warp & 1, wk = warp >> 1;
-  const int nj = p.kc_pad >> 3;
   const u32 patch_addr = (u32)__cvta_generic_to_shared(patch);
-  const u32 a_row = (u32)__cvta_generic_to_shared(dzs) + ((wm * 32 + g) * kDS + t) * 4;
-  int kb[9];
-#pragma unroll
-  for (int j = 0; j < 9; ++j) kb[j] = j < nj ? koff[8 * j + g] : 0;
+  const u32 a_row = (u32)__cvta_generic_to_shared(dzs) + ((wm * 32 + g) * kDS + 2 * t) * 4;
+  const u32 kb_addr = (u32)__cvta_generic_to_shared(kbt + g);
+  const u32 one = g == 0 ? 0x3f800000u : 0u;  // B column 0 all ones, the others zero
+  const u32 ones[2] = {one, one};
 
   Params ap;  // the elementwise functor's scalars
   ap.slope = p.slope;
@@ -189,68 +342,93 @@ __global__ void __launch_bounds__(kConvThreads, 2) conv2d_wgrad_kernel(const Con
   const int image = p.cin * p.h * p.w_in;  // < 2^31 (_conv.fits)
   const int tile_first = blockIdx.x * p.tiles_per_split;
   const int tile_end = min(tiles, tile_first + p.tiles_per_split);
-  float bacc[2] = {0.f, 0.f};  // NHWC: dz sums of this lane's channels lane, 32 + lane
+  // One-row tiles (NCHW, C = 128) keep the patch as a ring of PH rows per
+  // channel: a block's next tile (the next output row: th runs fastest)
+  // loads only the sh rows it does not share with the previous one.
+  const bool ring = !kChannelsLast && rows_per_tile == 1;
+  // NCHW: dy's 4-element runs and the patch's groups line up with vectors.
+  const bool dz_vec = (p.ow & 3) == 0 && ((u64)dy & (4 * sizeof(T) - 1)) == 0;
+  const bool x_vec = (p.w_in & 3) == 0 && ((u64)x & (4 * sizeof(T) - 1)) == 0;
 
-  float acc[2][9][4];
+  float acc[2][kWgradCols][4], accb[2][4];
 #pragma unroll
   for (int i = 0; i < 2; ++i)
 #pragma unroll
-    for (int j = 0; j < 9; ++j)
+    for (int q = 0; q < 4; ++q) {
+      accb[i][q] = 0.f;
 #pragma unroll
-      for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
+      for (int j = 0; j < kWgradCols; ++j) acc[i][j][q] = 0.f;
+    }
 
   for (int tile = tile_first; tile < tile_end; ++tile) {
-    const int tw = tile % p.tiles_w;
-    const int th = (tile / p.tiles_w) % p.tiles_h;
+    const int th = tile % p.tiles_h;
+    const int tw = (tile / p.tiles_h) % p.tiles_w;
     const int n = tile / (p.tiles_w * p.tiles_h);
     const int oh0 = th * rows_per_tile, ow0 = tw * cols;
     const int rows = min(rows_per_tile, p.oh - oh0), row_len = min(cols, p.ow - ow0);
-    __syncthreads();  // the previous tile's MMAs are done with the patch and dz
-    if (kChannelsLast)
+    // The ring: this tile's first patch row (input row oh0 * sh - ph) sits in
+    // slot (oh0 * sh) % PH; after the previous output row only the last
+    // min(sh, PH) rows are new.
+    const int base = ring ? (oh0 * p.sh) % p.patch_h : 0;
+    const int fresh = ring && th > 0 && tile > tile_first ? min(p.sh, p.patch_h) : p.patch_h;
+    __syncthreads();  // the previous tile's MMAs are done with the patch, dz and kbt
+    for (int k = tid; k < kWgradDepth; k += kConvThreads) {  // bytes
+      const int e = koff[k];
+      kbt[k] = ((e & 0xffff) + ring_slot(base, e >> 16, p.patch_h) * p.patch_w) * 4;
+    }
+    // dz into shared memory as floats, [channel][position], zero past the
+    // output's edge; each lane stores 4 consecutive positions of one channel
+    // (16 bytes: a quarter warp's stores cover the 32 banks once).
+    if (kChannelsLast) {
       load_patch<T, kPasses, true>(patch, p, x + (long long)n * image, c0, oh0 * p.sh - p.ph,
                                    ow0 * p.sw - p.pw, tid);
-    else
-      load_patch_nchw<T, kPasses, 4>(patch, p, x + (long long)n * image, c0, oh0 * p.sh - p.ph,
-                                     ow0 * p.sw - p.pw, tid);
-    // dz into shared memory, [channel][position], zero past the output's edge;
-    // each lane stores 4 consecutive positions of one channel (16 bytes: a
-    // quarter warp's stores cover the 32 banks once).
-    if (!kChannelsLast) {  // a warp per channel, a lane per 4 positions of its row
+    } else {  // a warp per channel, a lane per 4 positions of its row
       const int lane4 = lane * 4;
       const int row = lane4 >> p.c_log2, col = lane4 & (cols - 1);
       const int valid = row < rows ? max(0, min(4, row_len - col)) : 0;
       const long long e_lane =
           ((long long)n * p.cout + tile_n) * out_plane + (long long)(oh0 + row) * p.ow + ow0 + col;
-      constexpr int kLines = 8;  // lines per batch: their loads in flight together
-      for (int line0 = warp; line0 < kBN; line0 += kLines * kConvThreads / 32) {
-        T d[kLines][4];
-        u32 bits[kLines];
+      constexpr int kLines = 4;  // lines per batch, their loads in flight together
+      constexpr int kStride = kLines * kConvThreads / 32;
+      T d[kLines][4];
+      u32 bits[kLines];
+      auto load_lines = [&](int line0) {
 #pragma unroll
         for (int b = 0; b < kLines; ++b) {
           const int line = line0 + b * (kConvThreads / 32);
           const int ok = tile_n + line < p.cout ? valid : 0;
           const long long e = e_lane + line * out_plane;
-          load4_raw(dy + e, ok, ((u64)(dy + e) & (4 * sizeof(T) - 1)) == 0, d[b]);
-          bits[b] = mask_bits4(p.mask, e, ok);
+          load_dz4(dy + e, p.mask, e, ok, dz_vec, d[b], bits[b]);
         }
+      };
+      auto store_lines = [&](int line0) {
 #pragma unroll
         for (int b = 0; b < kLines; ++b) {
           const int line = line0 + b * (kConvThreads / 32);
           const int ok = tile_n + line < p.cout ? valid : 0;
-          float v[4];
+          float4 v;
+          float* vj = &v.x;
 #pragma unroll
-          for (int j = 0; j < 4; ++j)
-            v[j] = j < ok ? Num<T>::to_op(op.backward(d[b][j], (bits[b] >> j) & 1u)) : 0.f;
-          put_split4<kPasses>(dzs, line * kDS + lane4, kDzPart, v);
-          if (blockIdx.y < col_tiles) {  // the first chunk's blocks sum the bias gradient
-            float s = add_rn(add_rn(add_rn(v[0], v[1]), v[2]), v[3]);
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) s = add_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
-            if (lane == 0) bsum[line] = add_rn(bsum[line], s);
+          for (int j = 0; j < 4; ++j) {  // computed for every j, then selected: no branch
+            const float dz = Num<T>::to_op(op.backward(d[b][j], (bits[b] >> j) & 1u));
+            vj[j] = j < ok ? dz : 0.f;
           }
+          *reinterpret_cast<float4*>(dzs + line * kDS + lane4) = v;
         }
+      };
+      // The first lines' loads are in flight while the patch is copied.
+      load_lines(warp);
+      load_patch_nchw<T, kPasses, 2>(patch, p, x + (long long)n * image, c0, oh0 * p.sh - p.ph,
+                                     ow0 * p.sw - p.pw, tid, x_vec && ((ow0 * p.sw - p.pw) & 3) == 0,
+                                     p.patch_h - fresh, fresh, base);
+      store_lines(warp);
+#pragma unroll 1
+      for (int line0 = warp + kStride; line0 < kBN; line0 += kStride) {
+        load_lines(line0);
+        store_lines(line0);
       }
-    } else {  // a warp per 4 positions, a lane per channel (two halves of 32)
+    }
+    if (kChannelsLast) {  // a warp per 4 positions, a lane per channel (two halves of 32)
       for (int ml = warp * 4; ml < kBM; ml += kConvThreads / 8) {
         T d[2][4];
         u32 bit[2][4];
@@ -270,15 +448,15 @@ __global__ void __launch_bounds__(kConvThreads, 2) conv2d_wgrad_kernel(const Con
           }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          float v[4];
+          float4 v;
+          float* vj = &v.x;
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             const int r = (ml + j) >> p.c_log2, c = (ml + j) & (cols - 1);
             const bool ok = r < rows && c < row_len && tile_n + h * 32 + lane < p.cout;
-            v[j] = ok ? Num<T>::to_op(op.backward(d[h][j], bit[h][j] & 1u)) : 0.f;
-            bacc[h] = add_rn(bacc[h], v[j]);
+            vj[j] = ok ? Num<T>::to_op(op.backward(d[h][j], bit[h][j] & 1u)) : 0.f;
           }
-          put_split4<kPasses>(dzs, (h * 32 + lane) * kDS + ml, kDzPart, v);
+          *reinterpret_cast<float4*>(dzs + (h * 32 + lane) * kDS + ml) = v;
         }
       }
     }
@@ -290,64 +468,56 @@ __global__ void __launch_bounds__(kConvThreads, 2) conv2d_wgrad_kernel(const Con
       const int r = p0 >> p.c_log2, c = p0 & (cols - 1);
       if (r >= rows || c >= row_len) continue;  // no output position in the step
       const int mo = r * p.sh * p.patch_w + c * p.sw;
-      const int mo0 = (mo + t * p.sw) * 4, mo1 = (mo + (t + 4) * p.sw) * 4;
+      const int mo0 = (mo + 2 * t * p.sw) * 4, mo1 = mo0 + p.sw * 4;
       const u32 a_step = a_row + p0 * 4;
       if (c + 8 <= row_len) {
-        wgrad_step<kPasses, false>(acc, a_step, kb, patch_addr, mo0, mo1, nj, 3u);
+        wgrad_step<T, kPasses, false>(acc, accb, a_step, kb_addr, patch_addr, mo0, mo1, 3u, ones);
       } else {
-        const u32 live = (u32)(c + t < row_len) | (u32)(c + t + 4 < row_len) << 1;
-        wgrad_step<kPasses, true>(acc, a_step, kb, patch_addr, mo0, mo1, nj, live);
+        const u32 live = (u32)(c + 2 * t < row_len) | (u32)(c + 2 * t + 1 < row_len) << 1;
+        wgrad_step<T, kPasses, true>(acc, accb, a_step, kb_addr, patch_addr, mo0, mo1, live, ones);
       }
     }
   }
   __syncthreads();  // done with the patch: the halves' sums take its place
 
   // The second half's sums into shared memory, added to the first half's in
-  // order, then this split's partial weight gradient out.
+  // order, then this split's partial weight (and bias) gradient out. Bias
+  // sums: column 0 of accb, in the lanes t == 0 (q = 0: channel g, 2: g + 8).
   float* red = reinterpret_cast<float*>(patch);  // [kBN][kWgradDepth]
   if (wk == 1) {
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
-      for (int j = 0; j < 9; ++j)
+      for (int q = 0; q < 4; ++q) {
+        const int col = wm * 32 + i * 16 + g + (q >> 1) * 8;
 #pragma unroll
-        for (int q = 0; q < 4; ++q)
-          if (j < nj)
-            red[(wm * 32 + i * 16 + g + (q >> 1) * 8) * kWgradDepth + 8 * j + 2 * t + (q & 1)] =
-                acc[i][j][q];
+        for (int j = 0; j < kWgradCols; ++j)
+          red[col * kWgradDepth + 8 * j + 2 * t + (q & 1)] = acc[i][j][q];
+        if (t == 0 && (q & 1) == 0) bsum[col] = accb[i][q];
+      }
   }
   __syncthreads();
+  if (wk == 1) return;
   const int k_first = c0 * khw;
   float* part = p.part + (long long)blockIdx.x * p.cout * k_total;
-  if (wk == 0) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int j = 0; j < 9; ++j)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int col = wm * 32 + i * 16 + g + (q >> 1) * 8;
-          const int k = 8 * j + 2 * t + (q & 1);
-          if (j < nj && k < kc && tile_n + col < p.cout)
-            part[(long long)(tile_n + col) * k_total + k_first + k] =
-                add_rn(acc[i][j][q], red[col * kWgradDepth + k]);
-        }
-  }
-  if (blockIdx.y >= col_tiles) return;  // the bias gradient: the first chunk's blocks
   float* bpart = p.part + (long long)p.splits * p.cout * k_total + (long long)blockIdx.x * p.cout;
-  if (kChannelsLast) {
-    __syncthreads();  // the halves' sums are read: the warps' bias sums take their place
+  const bool with_bias = blockIdx.y < col_tiles;  // the bias: the first chunk's blocks
 #pragma unroll
-    for (int h = 0; h < 2; ++h) red[warp * kBN + h * 32 + lane] = bacc[h];
-    __syncthreads();
-    for (int i = tid; i < kBN; i += kConvThreads)
-      if (tile_n + i < p.cout)
-        bpart[tile_n + i] =
-            add_rn(add_rn(add_rn(red[i], red[kBN + i]), red[2 * kBN + i]), red[3 * kBN + i]);
-  } else {
-    for (int i = tid; i < kBN; i += kConvThreads)
-      if (tile_n + i < p.cout) bpart[tile_n + i] = bsum[i];
-  }
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int col = wm * 32 + i * 16 + g + (q >> 1) * 8;
+      if (tile_n + col >= p.cout) continue;
+#pragma unroll
+      for (int j = 0; j < kWgradCols; ++j) {
+        const int k = 8 * j + 2 * t + (q & 1);
+        if (k < kc)
+          part[(long long)(tile_n + col) * k_total + k_first + k] =
+              add_rn(acc[i][j][q], red[col * kWgradDepth + k]);
+      }
+      if (with_bias && t == 0 && (q & 1) == 0)
+        bpart[tile_n + col] = add_rn(accb[i][q], bsum[col]);
+    }
 }
 
 // float -> double, exactly (inline PTX: under -ftz a C cast flushes subnormals).

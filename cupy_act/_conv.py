@@ -358,33 +358,43 @@ def _pack(g: Geometry, tl: Tiling, x, w, bias, y, mask, slope, scale, *wgrad) ->
 
 # ---- the weight and bias gradients (conv2d_wgrad.cu) ----
 
-WGRAD_DEPTH = 72  # kWgradDepth: the most depth (cc * kh * kw, padded) per chunk
-DZ_STRIDE = TILE_M + 4  # kDS
-# Two blocks per SM (the kernel's launch bounds): 228 KiB less 1 KiB each.
-WGRAD_SMEM = 113 * 1024
+WGRAD_DEPTH = 72  # kWgradDepth: the depth per chunk (cc * kh * kw, padded with zeros)
+DZ_STRIDE = TILE_M + 8  # kDS
+# Three blocks per SM (the kernel's launch bounds): 228 KiB less 1 KiB each.
+WGRAD_SMEM = 75 * 1024
 
 
 @functools.lru_cache(maxsize=4096)
 def wgrad_tiling(g: Geometry, n_passes: int) -> Tiling | None:
     """The weight gradient's tiling: the forward's rectangles (C = 128, 64 or
-    32), channel chunks of at most WGRAD_DEPTH depth, shared memory for the
-    koff table, the patch (or the halves' sums, 64 x 72, whichever is larger),
-    the dz tile (64 x DZ_STRIDE per part) and 64 bias sums; None if nothing fits
-    (then PyTorch's convolution backward)."""
+    32), channel chunks of at most WGRAD_DEPTH depth (kc_pad is WGRAD_DEPTH:
+    the kernel always runs 9 column tiles, the padding reading zeros), shared
+    memory for the koff table and the tile's column offsets, the patch (or
+    the halves' sums, 64 x 72, whichever is larger), the dz tile (64 x
+    DZ_STRIDE floats) and 64 bias sums;
+    None if nothing fits (then PyTorch's convolution backward)."""
     parts = 2 if n_passes == 3 else 1
     for c, ph, pw, cc, kc_pad, part in _layouts(g):
         if kc_pad > WGRAD_DEPTH or (parts == 2 and part > PATCH_PART):
             continue
         region = max(2 * PATCH_PART if parts == 2 else part, TILE_N * WGRAD_DEPTH)
-        words = kc_pad + -(-region // 4) * 4 + parts * TILE_N * DZ_STRIDE + TILE_N
+        words = 2 * WGRAD_DEPTH + -(-region // 4) * 4 + TILE_N * DZ_STRIDE + TILE_N
         if 4 * words <= WGRAD_SMEM:
-            return _tiling(g, c, cc, kc_pad, ph, pw, 4 * words)
+            return _tiling(g, c, cc, WGRAD_DEPTH, ph, pw, 4 * words)
     return None
 
 
 def wgrad_fits(g: Geometry, n_passes: int) -> bool:
     """Whether the weight-gradient kernel applies (else PyTorch's backward)."""
     return fits(g, n_passes) and wgrad_tiling(g, n_passes) is not None
+
+
+def wgrad_chunks(g: Geometry, n_passes: int) -> int:
+    """Channel chunks of the weight gradient's tiling (each reads dy once);
+    the caller checked wgrad_fits()."""
+    tl = wgrad_tiling(g, n_passes)
+    assert tl is not None, "callers check wgrad_fits()"
+    return math.ceil(g.cin / tl.cc)
 
 
 class WgradPlan(NamedTuple):

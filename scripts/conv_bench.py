@@ -22,9 +22,11 @@ Per shape, in one run:
                weight included), from saved_tensors_hooks
 Rows: eager; torch.compile default (and max-autotune with --max-autotune);
 cupy_act's algorithms "exact", "channels_last", "fused", "fused_tf32", "auto"
-as they run by default, and "fused" / "fused_tf32" with the fused weight
-gradient switched on ("... wgrad-kernel", ``conv.FUSED_WGRAD``; it changes
-only the "w" columns: with x needing a gradient the backward is the same).
+as they run by default (the fused weight gradient where one channel chunk
+holds the filter depth, ``conv.FUSED_WGRAD``), and "fused" / "fused_tf32"
+with it forced on ("... wgrad-kernel") and off ("... mask-bwd": the mask
+backward, then cuDNN's weight gradient); those change only the "w" columns
+(with x needing a gradient the backward is the same).
 cuDNN runs with PyTorch's defaults (TF32 allowed for convolutions). The
 targets of issues 11 and 23 are evaluated at the end.
 """
@@ -51,7 +53,8 @@ SHAPES = {
     "5x5": (64, 8, 128, 128, 64, 5, 1, 0),
 }
 OURS = ("exact", "channels_last", "fused", "fused_tf32", "auto")
-WGRAD = " wgrad-kernel"  # suffix: with the fused weight gradient (conv.FUSED_WGRAD)
+# Row suffixes: the fused weight gradient (conv.FUSED_WGRAD) forced on or off.
+WGRAD_SETTINGS = {" wgrad-kernel": True, " mask-bwd": False}
 
 
 def block(x, w, b, stride, padding):
@@ -90,15 +93,17 @@ def run_shape(name, shape, args) -> list[dict]:
             impls["max-autotune"] = torch.compile(
                 lambda x, w, b: block(x, w, b, stride, pad), mode="max-autotune-no-cudagraphs"
             )
-    for alg in (*OURS, "fused" + WGRAD, "fused_tf32" + WGRAD):
-        base = alg.removesuffix(WGRAD)
+    variants = [a + suffix for suffix in WGRAD_SETTINGS for a in ("fused", "fused_tf32")]
+    for alg in (*OURS, *variants):
+        base = alg.split(" ")[0]
         impls[alg] = lambda x, w, b, a=base: ct.conv2d_div_leaky_relu(
             x, w, b, DIVISOR, SLOPE, stride, pad, algorithm=a
         )
     rows = []
     default = ct.conv.FUSED_WGRAD
     for impl, fn in impls.items():
-        ct.conv.FUSED_WGRAD = default or impl.endswith(WGRAD)
+        suffix = impl[impl.find(" ") :] if " " in impl else ""
+        ct.conv.FUSED_WGRAD = WGRAD_SETTINGS.get(suffix, default)
         with torch.no_grad():
             y = fn(x0, w0, b0)
             err = (y.double() - ref).abs().max().item()

@@ -55,11 +55,17 @@ if has sanitizer; then
     tests/test_conv.py -k "mask_decodes or empty_batch or (accuracy and (case3- or case17-))" \
     > "$OUT/sanitizer_conv.log" 2>&1
   echo "sanitizer rc=$?" >> "$OUT/sanitizer_conv.log"
-  # the fused weight gradient: partial tiles, both layouts, empty batch, many splits
-  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_conv_wgrad.py -k "(accuracy and (case3- or case17-)) or non_finite or empty or repeats" \
-    >> "$OUT/sanitizer_conv.log" 2>&1
+  # the fused weight gradient: partial tiles, both layouts, empty batch, many
+  # splits, row rings over strides, dilations and image boundaries
+  WG="(accuracy and (case3- or case17-)) or non_finite or empty or repeats"
+  WG="$WG or ((wide1 or wide3 or wide4) and dtype0-fused-)"
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_conv_wgrad.py -k "$WG" >> "$OUT/sanitizer_conv.log" 2>&1
   echo "sanitizer rc=$?" >> "$OUT/sanitizer_conv.log"
+  timeout 300 compute-sanitizer --tool racecheck --kernel-name kns=conv2d_wgrad --error-exitcode 99 \
+    python3 -m pytest -q -p no:cacheprovider tests/test_conv_wgrad.py -k "(wide1 or wide3 or case3-) and dtype0-fused-" \
+    >> "$OUT/sanitizer_conv.log" 2>&1
+  echo "racecheck rc=$?" >> "$OUT/sanitizer_conv.log"
   # the fused BatchNorm: NCHW counters (the last block per channel finishes it), both layouts
   timeout 200 compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
     tests/test_batchnorm.py -k "nchw_reductions or cuda_graphs or (accuracy and float32 and 40)" \

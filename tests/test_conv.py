@@ -71,7 +71,7 @@ def test_fused_kernel_ptx(arch, source):
     parameter block the host packs; ptxas reports no spills."""
     ptx, log = compiled(arch, source)
     assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in ptx
-    assert "cvt.rna.tf32.f32" in ptx
+    assert re.search(r"and\.b32\s+%r\d+, %r\d+, -8192;", ptx)  # to_tf32's rounding mask
     assert ".ftz" not in ptx
     assert ".local" not in ptx and "__local_depot" not in ptx
     assert len(re.findall(r"^\.(?:visible|weak) \.entry ", ptx, re.M)) == len(SOURCES[source][1])
@@ -562,8 +562,8 @@ def test_conv_bench_script(tmp_path):
         "conv_bench.py", [*args, "--markdown", str(tmp_path / "c.md")], tmp_path / "c.json"
     )
     impls = [r["impl"] for r in out["rows"]]
-    kernel = ["fused wgrad-kernel", "fused_tf32 wgrad-kernel"]
-    assert impls == ["eager", "exact", "channels_last", "fused", "fused_tf32", "auto", *kernel]
+    forced = [f"{a} {s}" for s in ("wgrad-kernel", "mask-bwd") for a in ("fused", "fused_tf32")]
+    assert impls == ["eager", "exact", "channels_last", "fused", "fused_tf32", "auto", *forced]
     assert all(r["forward_ms"] > 0 and r["max_err"] < 1e-2 for r in out["rows"])
     assert all(r["w_bwd_ms"] > 0 and r["w_fwd_bwd_ms"] > 0 for r in out["rows"])
     assert "| 16to32 | fused |" in (tmp_path / "c.md").read_text()

@@ -2,7 +2,8 @@
 
 Where x needs no gradient (a first layer, the seed model), the backward of
 ``conv2d_div_leaky_relu``'s fused algorithms can be one pass over dy, the
-mask and x (``conv.FUSED_WGRAD``, off by default until it measures faster).
+mask and x (``conv.FUSED_WGRAD``: by default where one channel chunk holds
+the whole filter depth, where it measures faster).
 It cannot match cuDNN's summation order, so it is held to a stated accuracy
 against float64 (see ``wgrad_bound``) over the forward's 40 random shapes,
 both layouts and three dtypes; the same inputs give the same bits.
@@ -47,6 +48,35 @@ def test_wgrad_tiling_takes_the_seed_shape_and_refuses_deep_filters():
     assert _conv.wgrad_tiling(nine, 1) is None and not _conv.wgrad_fits(nine, 1)
 
 
+@pytest.mark.parametrize(
+    "setting, cin, dtype, cl, expected",
+    [
+        (None, 8, torch.float32, False, True),
+        (None, 8, torch.float32, True, True),
+        (None, 8, torch.float16, False, True),
+        (None, 8, torch.bfloat16, True, False),
+        (None, 9, torch.float32, False, False),
+        (None, 64, torch.float32, False, False),
+        (True, 64, torch.float32, False, True),
+        (True, 8, torch.float16, True, True),
+        (False, 8, torch.float32, False, False),
+    ],
+)
+def test_fused_weight_gradient_default_where_it_measures_faster(
+    setting, cin, dtype, cl, expected, monkeypatch
+):
+    """FUSED_WGRAD None (the default) takes the kernel where one chunk holds
+    the filter depth (cin * 9 <= 72: dy read once), but not for 16-bit
+    channels-last (cuDNN is faster there); True wherever it fits, False never."""
+    assert conv.FUSED_WGRAD is None  # the shipped default
+    monkeypatch.setattr(conv, "FUSED_WGRAD", setting)
+    x, w = torch.empty(2, cin, 16, 16, dtype=dtype), torch.empty(16, cin, 3, 3, dtype=dtype)
+    x = _layout(x, cl)
+    assert conv._wgrad_fits(x, w, [1, 1], [1, 1], [1, 1], False) is expected
+    g = _conv.geometry("f", x.shape, w.shape, 1, 1)
+    assert _conv.wgrad_chunks(g, 3) == (1 if cin <= 8 else 2 if cin < 64 else 8)
+
+
 # ---- GPU ----
 
 
@@ -77,14 +107,9 @@ def wgrad_bound(x, dz, w_shape, spd, dtype, tf32):
     return (gw, tol_w), (gb, tol_b)
 
 
-@gpu
-@pytest.mark.parametrize("cl", [False, True], ids=["nchw", "nhwc"])
-@pytest.mark.parametrize("dtype, algorithm", FUSED_KINDS)
-@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"case{i}" for i in range(len(CASES))])
-def test_fused_weight_gradient_accuracy(case, dtype, algorithm, cl):
-    xs, ws, stride, padding, dilation = CASES[case]
+def _check_accuracy(xs, ws, stride, padding, dilation, dtype, algorithm, cl, seed):
     tf32 = algorithm == "fused_tf32"
-    x, w, b = _xwb(xs, ws, "cuda", dtype, seed=case)
+    x, w, b = _xwb(xs, ws, "cuda", dtype, seed=seed)
     x, w = _layout(x, cl), _layout(w, cl)
     y, mask, spd = _forward(x, w, b, stride, padding, dilation, tf32)
     gy = torch.randn_like(y)
@@ -95,6 +120,46 @@ def test_fused_weight_gradient_accuracy(case, dtype, algorithm, cl):
         err = (ours.double() - ref).abs()
         worst = (err / tol).max().item()
         assert worst <= 1.0, f"error {err.max().item():.3g}, {worst:.2f}x the bound"
+
+
+@gpu
+@pytest.mark.parametrize("cl", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype, algorithm", FUSED_KINDS)
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"case{i}" for i in range(len(CASES))])
+def test_fused_weight_gradient_accuracy(case, dtype, algorithm, cl):
+    _check_accuracy(*CASES[case], dtype, algorithm, cl, seed=case)
+
+
+# Outputs wider than 64 (one-row tiles: NCHW keeps the patch as a ring of
+# rows) with more tiles than the device runs blocks, so that blocks walk runs
+# of consecutive rows across image boundaries: strides, dilations, padding,
+# 1x1 to 7x7, several chunks and column tiles.
+WIDE_CASES = [
+    ((4, 5, 260, 150), (20, 5, 3, 3), 1, 1, 1),
+    ((2, 3, 600, 141), (17, 3, 7, 7), 2, 3, 1),
+    ((2, 8, 500, 133), (64, 8, 5, 5), 1, 0, 1),
+    ((3, 4, 700, 200), (9, 4, 3, 5), (3, 1), (2, 1), (2, 1)),
+    ((1, 2, 1500, 300), (70, 2, 1, 1), 1, 0, 1),
+    ((2, 7, 800, 129), (5, 7, 3, 3), (1, 2), 1, (2, 1)),
+]
+
+
+@gpu
+@pytest.mark.parametrize("cl", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype, algorithm", FUSED_KINDS)
+@pytest.mark.parametrize("case", range(len(WIDE_CASES)), ids=[f"wide{i}" for i in range(6)])
+def test_fused_weight_gradient_accuracy_on_wide_outputs(case, dtype, algorithm, cl):
+    _check_accuracy(*WIDE_CASES[case], dtype, algorithm, cl, seed=100 + case)
+
+
+def test_wide_cases_walk_runs_of_one_row_tiles():
+    """WIDE_CASES exercise what they are for (on an H100's 132 SMs)."""
+    for xs, ws, stride, padding, dilation in WIDE_CASES:
+        g = _conv.geometry("f", xs, ws, stride, padding, dilation)
+        t = _conv.wgrad_tiling(g, 3)
+        assert t is not None and t.c_log2 == 7
+        columns = -(-g.cout // _conv.TILE_N) * _conv.wgrad_chunks(g, 3)
+        assert g.n * t.tiles_h * t.tiles_w > 2 * 132 * 3 // columns
 
 
 @gpu
@@ -141,8 +206,9 @@ def test_non_finite_values_propagate_as_in_the_reference(cl):
 @pytest.mark.parametrize("needs", ["weight_and_bias", "weight", "bias"])
 def test_autograd_without_an_input_gradient_takes_the_fused_pass(dtype, cl, needs, monkeypatch):
     """Through autograd, x needing no gradient: the fused weight gradient, not
-    the mask backward (counted), within FP32 (bfloat16) accuracy of the
-    previous path (mask backward + PyTorch's convolution backward)."""
+    the mask backward (counted), switched on and by default (one chunk: 6 x 9
+    <= 72; not 16-bit channels-last), within FP32 (bfloat16) accuracy of the
+    previous path (mask backward + PyTorch's convolution backward, switched off)."""
     x0, w0, b0 = _xwb((3, 6, 23, 37), (10, 6, 3, 3), "cuda", dtype)
     x0, w0 = _layout(x0, cl), _layout(w0, cl)
     gy = torch.randn(3, 10, 12, 19, device="cuda", dtype=dtype)
@@ -152,18 +218,24 @@ def test_autograd_without_an_input_gradient_takes_the_fused_pass(dtype, cl, need
     grads = {}
     torch.backends.cudnn.allow_tf32 = False
     try:
-        for fused in (True, False):
+        for fused in (None, True, False):
             monkeypatch.setattr(conv, "FUSED_WGRAD", fused)
+            calls.clear()
             w = w0.clone().requires_grad_(needs != "bias")
             b = b0.clone().requires_grad_(needs != "weight")
             y = ct.conv2d_div_leaky_relu(x0, w, b, DIVISOR, SLOPE, 2, 1, 1, "fused")
             y.backward(gy)
             grads[fused] = (w.grad, b.grad)
-            assert len(calls) == (0 if fused else 1)
+            kernel = fused or (fused is None and (dtype == torch.float32 or not cl))
+            assert len(calls) == (0 if kernel else 1)
     finally:
         torch.backends.cudnn.allow_tf32 = True
+    if dtype == torch.float32 or not cl:  # the default took the kernel: its bits
+        for default, forced in zip(grads[None], grads[True]):
+            if default is not None:
+                testing.assert_bits_equal(default, forced)
     rtol = 1e-5 if dtype == torch.float32 else 1e-2
-    for ours, ref in zip(*grads.values()):
+    for ours, ref in zip(grads[True], grads[False]):
         assert (ours is None) == (ref is None)
         if ref is not None:
             rel = ((ours.double() - ref.double()).norm() / ref.double().norm()).item()
@@ -172,7 +244,8 @@ def test_autograd_without_an_input_gradient_takes_the_fused_pass(dtype, cl, need
 
 @pytest.fixture
 def fused_wgrad(monkeypatch):
-    """The fused weight gradient switched on (it is off by default)."""
+    """The fused weight gradient switched on wherever it fits (by default only
+    where one chunk holds the filter depth)."""
     monkeypatch.setattr(conv, "FUSED_WGRAD", True)
 
 
@@ -227,3 +300,15 @@ def test_seed_block_gradient_within_10x_eager_error():
     for ours, eager, ref in ((gw, ew, rw), (gb, eb, rb)):
         err = (ours.double() - ref).abs().max().item()
         assert err <= 10 * (eager.double() - ref).abs().max().item(), err
+
+
+@gpu
+def test_wgrad_bench_script(tmp_path):
+    """scripts/wgrad_bench.py runs end to end (one small shape, two dtypes, both layouts)."""
+    from conftest import run_json
+
+    args = ["--shapes", "16to32", "--dtypes", "float32", "bfloat16", "--layouts", "nchw", "nhwc"]
+    out = run_json("wgrad_bench.py", [*args, "--iters", "2"], tmp_path / "w.json")
+    keys = [(r["dtype"], r["layout"], r["algorithm"]) for r in out["rows"]]
+    assert len(keys) == 6 and ("bfloat16", "nhwc", "fused") in keys
+    assert all(r["chunks"] == 2 and r["default_ms"] > 0 and r["kernel_ms"] > 0 for r in out["rows"])

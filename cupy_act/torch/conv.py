@@ -21,8 +21,9 @@ Where the fused kernel does not apply (CPU tensors, float64, a padding string
 it cannot express, an image beyond 2^31 elements) ``"fused"`` falls back to
 ``"exact"``. Training through the fused kernel saves x, the weight and the
 1-bit mask; backward applies the mask, then PyTorch's convolution backward
-(or, where x needs no gradient and ``FUSED_WGRAD`` is set, one kernel for
-the weight and bias gradients: ``cuda/conv2d_wgrad.cu``).
+(or, where x needs no gradient, one kernel for the weight and bias gradients,
+``cuda/conv2d_wgrad.cu``: by default where one channel chunk holds the whole
+filter depth and the input is not 16-bit channels-last, see ``FUSED_WGRAD``).
 """
 
 from __future__ import annotations
@@ -201,20 +202,29 @@ def _backward(ctx, gy, gmask):
 
 def _wgrad_fits(x: Tensor, w: Tensor, stride, padding, dilation, tf32: bool) -> bool:
     """Whether the fused weight-gradient kernel takes this geometry (the
-    forward's kernel ran, so the dtype and device are its)."""
-    if not FUSED_WGRAD:
+    forward's kernel ran, so the dtype and device are its), per ``FUSED_WGRAD``."""
+    if FUSED_WGRAD is False:
         return False
     g = _conv.geometry(FNAME, x.shape, w.shape, stride, padding, dilation)
-    return _conv.wgrad_fits(g, _conv.passes(_impl.DTYPE_NAMES[x.dtype], "tf32" if tf32 else "fp32"))
+    n_passes = _conv.passes(_impl.DTYPE_NAMES[x.dtype], "tf32" if tf32 else "fp32")
+    if not _conv.wgrad_fits(g, n_passes):
+        return False
+    if FUSED_WGRAD is True:
+        return True
+    one_chunk = _conv.wgrad_chunks(g, n_passes) == 1
+    return one_chunk and (x.dtype == torch.float32 or not _impl.is_channels_last(x))
 
 
-# The fused weight gradient (cuda/conv2d_wgrad.cu) on or off (the default):
-# off, the backward is the mask backward then PyTorch's convolution backward.
-# Off until it measures faster: on an H100 at the seed shape its kernel took
-# 1.79 ms (3xTF32) and 1.40 ms (TF32) against 1.65-1.74 ms for the whole
-# previous backward (scripts/conv_bench.py compares the two in one run; see
-# docs/performance-notes.md).
-FUSED_WGRAD = False
+# The fused weight gradient (cuda/conv2d_wgrad.cu), used where x needs no
+# gradient. None (the default): where it measures faster than the mask
+# backward + cuDNN's weight gradient, that is where one chunk of input
+# channels holds the whole filter depth (cin * kh * kw <= 72, so dy and the
+# mask are read once), except 16-bit channels-last (cuDNN's fastest case).
+# H100, seed shape, backward alone: 0.60-0.63x (float32 NCHW), 0.68-0.82x
+# (float32 NHWC), 0.73-0.78x (16-bit NCHW); 16-bit NHWC 1.45-1.48x and
+# several chunks 0.9-1.7x (scripts/wgrad_bench.py, docs/performance-notes.md).
+# True: wherever the kernel fits. False: never.
+FUSED_WGRAD: bool | None = None
 
 
 fused_op.register_autograd(_backward, setup_context=_setup)
