@@ -26,10 +26,10 @@ interleaved round after round, forward and forward + backward: issue 23's
 Rows: eager; torch.compile default (and max-autotune with --max-autotune);
 cupy_act's algorithms "exact", "channels_last", "fused", "fused_tf32", "auto"
 as they run by default (the fused weight gradient where one channel chunk
-holds the filter depth, ``conv.FUSED_WGRAD``), and "fused" / "fused_tf32"
-with it forced on ("... wgrad-kernel") and off ("... mask-bwd": the mask
-backward, then cuDNN's weight gradient); those change only the "w" columns
-(with x needing a gradient the backward is the same).
+holds the filter depth, ``conv.FUSED_WGRAD``; where x needs a gradient,
+cuDNN then computes only that one), and "fused" / "fused_tf32" with it
+forced on ("... wgrad-kernel") and off ("... mask-bwd": the mask backward,
+then cuDNN's convolution backward for every gradient).
 cuDNN runs with PyTorch's defaults (TF32 allowed for convolutions). The
 targets of issues 11 and 23 are evaluated at the end.
 """

@@ -21,9 +21,10 @@ Where the fused kernel does not apply (CPU tensors, float64, a padding string
 it cannot express, an image beyond 2^31 elements) ``"fused"`` falls back to
 ``"exact"``. Training through the fused kernel saves x, the weight and the
 1-bit mask; backward applies the mask, then PyTorch's convolution backward
-(or, where x needs no gradient, one kernel for the weight and bias gradients,
-``cuda/conv2d_wgrad.cu``: by default where one channel chunk holds the whole
-filter depth and the input is not 16-bit channels-last, see ``FUSED_WGRAD``).
+(or one kernel for the weight and bias gradients from dy, the mask and x,
+``cuda/conv2d_wgrad.cu``, PyTorch's then computing only the input gradient
+if x needs one: by default where one channel chunk holds the whole filter
+depth and the input is not 16-bit channels-last, see ``FUSED_WGRAD``).
 """
 
 from __future__ import annotations
@@ -175,9 +176,11 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, gy, gmask):
-    """Without an input gradient, the fused weight gradient (dz never in
-    memory) where its kernel applies; else the mask backward of the
-    elementwise op (dz), then PyTorch's convolution backward."""
+    """The weight and bias gradients from the fused weight-gradient kernel
+    (dy, the mask and x) where it applies (``_wgrad_fits``); the input
+    gradient, and the rest elsewhere, from the mask backward of the
+    elementwise op (dz) and PyTorch's convolution backward. Without an input
+    gradient dz is then never in memory."""
     if ctx.no_mask:
         raise RuntimeError(f"{FNAME}: this fused call ran without a mask; it has no backward")
     x, w, mask = ctx.saved_tensors
@@ -185,14 +188,22 @@ def _backward(ctx, gy, gmask):
     need = ctx.needs_input_grad
     with_bias = ctx.bias is not None and need[2]
     rest = (None,) * 7
-    wgrad_only = not need[0] and (need[1] or with_bias)
-    if wgrad_only and _wgrad_fits(x, w, stride, padding, dilation, tf32):
+    gw = gb = None
+    fused_w = (need[1] or with_bias) and _wgrad_fits(x, w, stride, padding, dilation, tf32)
+    if fused_w:
         gw, gb = wgrad_op(
             x, gy, mask, list(w.shape), with_bias, divisor, slope, stride, padding, dilation, tf32
         )
-        return None, gw if need[1] else None, gb if with_bias else None, *rest
+        gw, gb = gw if need[1] else None, gb if with_bias else None
+        if not need[0]:
+            return None, gw, gb, *rest
     # d loss / d (conv + bias): the mask backward of the elementwise op.
     d = _library.backward_op(gy, mask, "div_leaky_relu", slope, divisor, cl)
+    if fused_w:  # only the input gradient left
+        gx = torch.ops.aten.convolution_backward(
+            d, x, w, None, stride, padding, dilation, False, [0, 0], 1, [True, False, False]
+        )[0]
+        return gx, gw, gb, *rest
     out_mask = [need[0], need[1], with_bias]
     gx, gw, gb = torch.ops.aten.convolution_backward(
         d, x, w, ctx.bias, stride, padding, dilation, False, [0, 0], 1, out_mask
@@ -215,8 +226,9 @@ def _wgrad_fits(x: Tensor, w: Tensor, stride, padding, dilation, tf32: bool) -> 
     return one_chunk and (x.dtype == torch.float32 or not _impl.is_channels_last(x))
 
 
-# The fused weight gradient (cuda/conv2d_wgrad.cu), used where x needs no
-# gradient. None (the default): where it measures faster than the mask
+# The fused weight gradient (cuda/conv2d_wgrad.cu); where x needs a gradient
+# too, that one still comes from dz (materialized) and cuDNN's data gradient.
+# None (the default): where it measures faster than the mask
 # backward + cuDNN's weight gradient, that is where one chunk of input
 # channels holds the whole filter depth (cin * kh * kw <= 72, so dy and the
 # mask are read once), except 16-bit channels-last (cuDNN's fastest case).
