@@ -371,8 +371,8 @@ def wgrad_tiling(g: Geometry, n_passes: int) -> Tiling | None:
     the kernel always runs 9 column tiles, the padding reading zeros), shared
     memory for the koff table and the tile's column offsets, the patch (or
     the halves' sums, 64 x 72, whichever is larger), the dz tile (64 x
-    DZ_STRIDE floats) and 64 bias sums;
-    None if nothing fits (then PyTorch's convolution backward)."""
+    DZ_STRIDE floats) and 64 bias sums; None if nothing fits (then PyTorch's
+    convolution backward)."""
     parts = 2 if n_passes == 3 else 1
     for c, ph, pw, cc, kc_pad, part in _layouts(g):
         if kc_pad > WGRAD_DEPTH or (parts == 2 and part > PATCH_PART):

@@ -208,6 +208,29 @@ def test_non_finite_values_propagate_as_in_the_reference(cl):
     assert ((gw.double() - rw).abs()[finite] <= tol_w[finite]).all()
 
 
+def _block_inputs(dtype, cl):
+    """x, weight, bias and an upstream gradient for the autograd tests."""
+    x, w, b = _xwb((3, 6, 23, 37), (10, 6, 3, 3), "cuda", dtype)
+    gy = torch.randn(3, 10, 12, 19, device="cuda", dtype=dtype)
+    return _layout(x, cl), _layout(w, cl), b, gy
+
+
+def _count_calls(monkeypatch, module, name) -> list:
+    """Wraps module.name so that each call appends to the returned list."""
+    calls: list = []
+    fn = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(1) or fn(*a))
+    return calls
+
+
+def _assert_close(ours, ref, dtype):
+    """Relative to the norm: FP32 accuracy, bfloat16's for bfloat16."""
+    assert (ours is None) == (ref is None)
+    if ref is not None:
+        rel = ((ours.double() - ref.double()).norm() / ref.double().norm()).item()
+        assert rel <= (1e-5 if dtype == torch.float32 else 1e-2), rel
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cl", [False, True], ids=["nchw", "nhwc"])
@@ -217,12 +240,8 @@ def test_autograd_without_an_input_gradient_takes_the_fused_pass(dtype, cl, need
     the mask backward (counted), switched on and by default (one chunk: 6 x 9
     <= 72; not 16-bit channels-last), within FP32 (bfloat16) accuracy of the
     previous path (mask backward + PyTorch's convolution backward, switched off)."""
-    x0, w0, b0 = _xwb((3, 6, 23, 37), (10, 6, 3, 3), "cuda", dtype)
-    x0, w0 = _layout(x0, cl), _layout(w0, cl)
-    gy = torch.randn(3, 10, 12, 19, device="cuda", dtype=dtype)
-    calls = []
-    backward_op = _library.backward_op
-    monkeypatch.setattr(_library, "backward_op", lambda *a: calls.append(1) or backward_op(*a))
+    x0, w0, b0, gy = _block_inputs(dtype, cl)
+    calls = _count_calls(monkeypatch, _library, "backward_op")
     grads = {}
     torch.backends.cudnn.allow_tf32 = False
     try:
@@ -231,8 +250,7 @@ def test_autograd_without_an_input_gradient_takes_the_fused_pass(dtype, cl, need
             calls.clear()
             w = w0.clone().requires_grad_(needs != "bias")
             b = b0.clone().requires_grad_(needs != "weight")
-            y = ct.conv2d_div_leaky_relu(x0, w, b, DIVISOR, SLOPE, 2, 1, 1, "fused")
-            y.backward(gy)
+            ct.conv2d_div_leaky_relu(x0, w, b, DIVISOR, SLOPE, 2, 1, 1, "fused").backward(gy)
             grads[fused] = (w.grad, b.grad)
             kernel = fused or (fused is None and (dtype == torch.float32 or not cl))
             assert len(calls) == (0 if kernel else 1)
@@ -242,12 +260,8 @@ def test_autograd_without_an_input_gradient_takes_the_fused_pass(dtype, cl, need
         for default, forced in zip(grads[None], grads[True]):
             if default is not None:
                 testing.assert_bits_equal(default, forced)
-    rtol = 1e-5 if dtype == torch.float32 else 1e-2
     for ours, ref in zip(grads[True], grads[False]):
-        assert (ours is None) == (ref is None)
-        if ref is not None:
-            rel = ((ours.double() - ref.double()).norm() / ref.double().norm()).item()
-            assert rel <= rtol, rel
+        _assert_close(ours, ref, dtype)
 
 
 @gpu
@@ -257,12 +271,8 @@ def test_autograd_with_an_input_gradient_takes_the_kernel_for_the_weight(dtype, 
     """x needing a gradient too: the weight and bias gradients from the kernel
     (counted), the input gradient from dz and cuDNN as before (the same
     values); switched off, the previous path."""
-    x0, w0, b0 = _xwb((3, 6, 23, 37), (10, 6, 3, 3), "cuda", dtype)
-    x0, w0 = _layout(x0, cl), _layout(w0, cl)
-    gy = torch.randn(3, 10, 12, 19, device="cuda", dtype=dtype)
-    calls = []
-    op = conv.wgrad_op
-    monkeypatch.setattr(conv, "wgrad_op", lambda *a: calls.append(1) or op(*a))
+    x0, w0, b0, gy = _block_inputs(dtype, cl)
+    calls = _count_calls(monkeypatch, conv, "wgrad_op")
     grads = {}
     torch.backends.cudnn.allow_tf32 = False
     try:
@@ -270,17 +280,14 @@ def test_autograd_with_an_input_gradient_takes_the_kernel_for_the_weight(dtype, 
             monkeypatch.setattr(conv, "FUSED_WGRAD", fused)
             calls.clear()
             x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
-            y = ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, SLOPE, 2, 1, 1, "fused")
-            y.backward(gy)
+            ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, SLOPE, 2, 1, 1, "fused").backward(gy)
             grads[fused] = (x.grad, w.grad, b.grad)
             assert len(calls) == (1 if fused else 0)
     finally:
         torch.backends.cudnn.allow_tf32 = True
-    rtol = 1e-5 if dtype == torch.float32 else 1e-2
     for ours, ref in zip(grads[True], grads[False]):
         assert ours.dtype == dtype and ours.shape == ref.shape
-        rel = ((ours.double() - ref.double()).norm() / ref.double().norm()).item()
-        assert rel <= rtol, rel
+        _assert_close(ours, ref, dtype)
 
 
 @pytest.fixture
