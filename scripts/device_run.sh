@@ -4,7 +4,8 @@
 # suite (tables, JSON, CSV, plot under $OUT/bench) and the call-overhead table.
 # Logs go to $OUT; a summary is last.
 # Usage (GPU machine, repository root):
-#   [PARTS="conformance tests sanitizer bench overhead selfcheck cold cpu models kernelbench convbench"] \
+#   [PARTS="conformance tests sanitizer bench overhead selfcheck cold cpu models kernelbench convbench
+#           wgradbench wgradprobe"] \
 #     [BASE=dir] [OVERHEAD_RUNS=2] [CPU_RUNS=1] \
 #     [TUNE=1] \
 #     bash scripts/device_run.sh
@@ -12,7 +13,8 @@
 # with the rest of the test suite alongside, and the 2-GPU rows after them.
 # BASE: a copy of another version's cupy_act/ and cuda/ (e.g. the last release),
 # whose overhead is measured in the same run, alternating with this one (and
-# its CPU path too, where the copy has its scripts/).
+# its CPU path too, where the copy has its scripts/; and its weight-gradient
+# kernel in wgradbench).
 set -u
 OUT=${OUT:-/tmp/cupy_act_out}; mkdir -p "$OUT"
 PARTS=${PARTS:-"conformance tests sanitizer bench overhead"}
@@ -57,7 +59,7 @@ if has sanitizer; then
   echo "sanitizer rc=$?" >> "$OUT/sanitizer_conv.log"
   # the fused weight gradient: partial tiles, both layouts, empty batch, many
   # splits, row rings over strides, dilations and image boundaries
-  WG="(accuracy and (case3- or case17-)) or non_finite or empty or repeats"
+  WG="(accuracy and (case3- or case17-)) or non_finite or empty or repeats or unaligned"
   WG="$WG or ((wide1 or wide3 or wide4) and dtype0-fused-)"
   timeout 300 compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
     tests/test_conv_wgrad.py -k "$WG" >> "$OUT/sanitizer_conv.log" 2>&1
@@ -78,15 +80,22 @@ fi
 if has bench; then
   timeout ${BENCH_TIMEOUT:-330} python3 scripts/bench.py --out "$OUT/bench" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
 fi
-if has overhead; then
-  for i in $(seq ${OVERHEAD_RUNS:-2}); do
+# alternate LOG LIMIT RUNS command...: RUNS rounds of the command under BASE's
+# package (where BASE is set), then under this version's, appended to $OUT/LOG.
+alternate() {
+  local log=$OUT/$1 limit=$2 runs=$3
+  shift 3
+  for i in $(seq "$runs"); do
     if [ -n "${BASE:-}" ]; then
-      echo "== base run $i" >> "$OUT/overhead.log"
-      PYTHONPATH=$PWD/$BASE timeout 90 python3 scripts/overhead.py ${OVERHEAD_ARGS:-} >> "$OUT/overhead.log" 2>&1
+      echo "== base run $i" >> "$log"
+      PYTHONPATH=$PWD/$BASE timeout "$limit" "$@" >> "$log" 2>&1
     fi
-    echo "== this version, run $i" >> "$OUT/overhead.log"
-    timeout 90 python3 scripts/overhead.py ${OVERHEAD_ARGS:-} >> "$OUT/overhead.log" 2>&1
+    echo "== this version, run $i" >> "$log"
+    timeout "$limit" "$@" >> "$log" 2>&1
   done
+}
+if has overhead; then
+  alternate overhead.log 90 "${OVERHEAD_RUNS:-2}" python3 scripts/overhead.py ${OVERHEAD_ARGS:-}
 fi
 if has selfcheck; then  # python -m cupy_act: every kernel bit for bit, and a short benchmark
   timeout 150 python3 -m cupy_act > "$OUT/selfcheck.log" 2>&1
@@ -112,6 +121,12 @@ if has convbench; then  # every conv2d_div_leaky_relu algorithm at five shapes
   timeout ${CONV_TIMEOUT:-540} python3 scripts/conv_bench.py ${CONV_ARGS:-} --json "$OUT/conv.json" \
     --markdown "$OUT/conv.md" > "$OUT/conv.log" 2>&1
 fi
+if has wgradbench; then  # the weight gradient alone: kernel against mask backward + cuDNN
+  alternate wgrad.log 200 2 python3 scripts/wgrad_bench.py ${WGRAD_ARGS:-}
+fi
+if has wgradprobe; then  # the weight gradient's kernel without its loads (Nsight Compute durations)
+  timeout 420 python3 scripts/wgrad_probe.py --layouts nchw nhwc > "$OUT/wgrad_probe.log" 2>&1
+fi
 if has models; then  # training real models: eager, floor, ours, compiled (slow: compiles)
   timeout ${MODELS_TIMEOUT:-540} python3 scripts/models.py --json "$OUT/models.json" ${MODELS_ARGS:-} \
     > "$OUT/models.log" 2>&1
@@ -136,5 +151,7 @@ done
 [ -f "$OUT/cpu_path.log" ] && cat "$OUT/cpu_path.log"
 [ -f "$OUT/tune.log" ] && cat "$OUT/tune.log"
 [ -f "$OUT/models.log" ] && tail -n 15 "$OUT/models.log"
+[ -f "$OUT/wgrad.log" ] && cat "$OUT/wgrad.log"
+[ -f "$OUT/wgrad_probe.log" ] && cat "$OUT/wgrad_probe.log"
 [ -f "$OUT/kernelbench.log" ] && tail -n 12 "$OUT/kernelbench.log"
 exit 0

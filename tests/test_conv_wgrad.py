@@ -9,6 +9,9 @@ against float64 (see ``wgrad_bound``) over the forward's 40 random shapes,
 both layouts and three dtypes; the same inputs give the same bits.
 """
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -21,6 +24,7 @@ from cupy_act import _conv, testing  # noqa: E402
 from cupy_act.torch import _impl, _library, conv  # noqa: E402
 
 gpu = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parent.parent
 conv2d_weight = torch.nn.grad.conv2d_weight
 
 
@@ -208,6 +212,30 @@ def test_non_finite_values_propagate_as_in_the_reference(cl):
     assert ((gw.double() - rw).abs()[finite] <= tol_w[finite]).all()
 
 
+@gpu
+@pytest.mark.parametrize("cl", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("offset", [1, 3])
+def test_unaligned_upstream_gradient_gives_the_same_bits(dtype, cl, offset):
+    """dy `offset` elements into its storage (not 16-byte aligned), rows of
+    odd length (35 columns, 12 channels): the kernel reads it element by
+    element where vectors do not line up; the result is the aligned dy's,
+    bit for bit."""
+    x, w, b = _xwb((3, 5, 19, 37), (12, 5, 3, 3), "cuda", dtype)
+    x, w = _layout(x, cl), _layout(w, cl)
+    y, mask, spd = _forward(x, w, b, 1, 0, 1, False)
+    gy = _layout(torch.randn(y.shape, device="cuda", dtype=dtype), cl)
+    buf = torch.full((gy.numel() + offset,), float("nan"), device="cuda", dtype=dtype)
+    moved = buf.as_strided(gy.shape, gy.stride(), offset)
+    moved.copy_(gy)
+    assert moved.data_ptr() % 16 != 0 and moved.stride() == gy.stride()
+    args = (list(w.shape), True, DIVISOR, SLOPE, *spd, False)
+    got, want = conv.fused_wgrad(x, moved, mask, *args), conv.fused_wgrad(x, gy, mask, *args)
+    assert not want[0].isnan().any()
+    for a, e in zip(got, want):
+        testing.assert_bits_equal(a, e)
+
+
 def _block_inputs(dtype, cl):
     """x, weight, bias and an upstream gradient for the autograd tests."""
     x, w, b = _xwb((3, 6, 23, 37), (10, 6, 3, 3), "cuda", dtype)
@@ -348,6 +376,48 @@ def test_seed_block_gradient_within_10x_eager_error():
     for ours, eager, ref in ((gw, ew, rw), (gb, eb, rb)):
         err = (ours.double() - ref).abs().max().item()
         assert err <= 10 * (eager.double() - ref).abs().max().item(), err
+
+
+def _probe_ptx(cuda: Path, monkeypatch) -> dict[str, str]:
+    """PTX (compute_90) of the float32 3xTF32 weight-gradient kernels, NCHW and
+    NHWC, compiled from the CUDA sources in ``cuda``."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    from cupy_act import _source
+
+    monkeypatch.setattr(_source, "cuda_dir", lambda: cuda)
+    text = _source.assembled_source.__wrapped__(_conv.WGRAD_SOURCE)
+    out = {}
+    for layout, cl in (("nchw", "false"), ("nhwc", "true")):
+        name = f"cupy_act::conv2d_wgrad_kernel<float, 3, {cl}>"
+        prog = nvrtc.createProgram(text, "probe.cu", (), ())
+        try:
+            nvrtc.addNameExpression(prog, name)
+            opts = ("--std=c++17", "-ftz=true", "--device-as-default-execution-space")
+            nvrtc.compileProgram(prog, (*opts, "-arch=compute_90"))
+            out[layout] = nvrtc.getPTX(prog).decode()
+        finally:
+            nvrtc.destroyProgram(prog)
+    return out
+
+
+def test_wgrad_probe_copies_compile_without_their_loads(tmp_path, monkeypatch):
+    """scripts/wgrad_probe.py's kernel copies: each edit finds its text in
+    cuda/conv2d_wgrad.cu exactly once (else the script stops), and each copy
+    compiles with fewer global loads than the kernel: "no dy" in both layouts,
+    "no dy, x" fewer still in NCHW (its patch copy is the one it edits)."""
+    path = ROOT / "scripts" / "wgrad_probe.py"
+    spec = importlib.util.spec_from_file_location("wgrad_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    loads = {}
+    for i, (variant, edits) in enumerate(probe.VARIANTS.items()):
+        where = probe.make_copy(edits, tmp_path / str(i))
+        ptx = _probe_ptx(where / "cuda", monkeypatch)
+        loads[variant] = {k: v.count("ld.global") for k, v in ptx.items()}
+    kernel, no_dy, no_x = loads["kernel"], loads["no dy"], loads["no dy, x"]
+    assert no_dy["nchw"] < kernel["nchw"] and no_dy["nhwc"] < kernel["nhwc"], loads
+    assert no_x["nchw"] < no_dy["nchw"], loads
 
 
 @gpu

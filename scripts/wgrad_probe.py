@@ -1,0 +1,136 @@
+"""Where the fused weight gradient's time goes: what is left of it without its loads.
+
+    PYTHONPATH=. python scripts/wgrad_probe.py [--dtypes float32 float16]
+        [--layouts nchw nhwc] [--repeats 2]
+
+Nsight Compute's duration (``ncu`` must be on PATH; it locks the clocks, so
+the figures compare across variants on a noisy host) of one launch of
+``conv2d_wgrad_kernel`` at the seed shape (conv 8->64 3x3 on 128x8x128x128,
+"fused": 3xTF32 for float32), for this version and for copies of it with
+parts of the memory traffic taken out:
+
+  kernel     cuda/conv2d_wgrad.cu as it is
+  no dy      dy and the mask not read: load_dz4 (NCHW) and the NHWC loads
+             make up values from the index instead (same instructions after)
+  no dy, x   also no input loads (NCHW patch copy: every load predicated off)
+
+The gaps bound what hiding those loads behind the MMAs can gain; what is left
+is the kernel's instruction-bound part (forming dz, splitting, the MMA loop).
+Rows repeat ``--repeats`` times, variants interleaved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (variant, [(text in cuda/conv2d_wgrad.cu, replacement)]); each text must occur once.
+_LOAD_DZ = """  const u32* m = mask + (e >> 5);
+  const int sh = (int)(e & 31);
+  if (vec4) {"""
+_SYNTH_DZ = """#pragma unroll
+  for (int j = 0; j < 4; ++j) d[j] = Num<T>::from_op((float)((e + j) & 7) - 3.5f);
+  bits = (u32)(e * 2654435761u) & (valid > 0 ? 0xfu : 0u);
+  if (true) return;
+  const u32* m = mask + (e >> 5);
+  const int sh = (int)(e & 31);
+  if (vec4) {"""
+_NHWC_DY = """              d[h][j] = dy[e];
+              bit[h][j] = __ldg(p.mask + (e >> 5)) >> (e & 31);"""
+_SYNTH_NHWC = """              d[h][j] = Num<T>::from_op((float)(e & 7) - 3.5f);
+              bit[h][j] = (u32)(e * 2654435761u) >> 7;"""
+_ROW_OK = "const bool row_ok = row < rows &&"
+_NO_X = "const bool row_ok = false && row < rows &&"
+VARIANTS = {
+    "kernel": [],
+    "no dy": [(_LOAD_DZ, _SYNTH_DZ), (_NHWC_DY, _SYNTH_NHWC)],
+    "no dy, x": [(_LOAD_DZ, _SYNTH_DZ), (_NHWC_DY, _SYNTH_NHWC), (_ROW_OK, _NO_X)],
+}
+
+
+def make_copy(edits: list[tuple[str, str]], where: Path) -> Path:
+    """cupy_act/ and cuda/ under ``where`` with ``edits`` applied to the kernel."""
+    shutil.copytree(ROOT / "cupy_act", where / "cupy_act")
+    shutil.copytree(ROOT / "cuda", where / "cuda")
+    src = where / "cuda" / "conv2d_wgrad.cu"
+    text = src.read_text()
+    for old, new in edits:
+        if text.count(old) != 1:
+            raise SystemExit(f"wgrad_probe: the kernel changed; update the probe's edit of {old!r}")
+        text = text.replace(old, new)
+    src.write_text(text)
+    return where
+
+
+def child(dtype_name: str, layout: str) -> None:
+    """Run the seed shape's weight gradient three times (ncu times the second)."""
+    import torch
+
+    import cupy_act.torch as ct
+
+    dt = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    x = torch.randn(128, 8, 128, 128, device="cuda", dtype=dt)
+    if layout == "nhwc":
+        x = x.contiguous(memory_format=torch.channels_last)
+    w = (torch.randn(64, 8, 3, 3, device="cuda", dtype=dt) * 0.1).requires_grad_()
+    b = torch.randn(64, device="cuda", dtype=dt).requires_grad_()
+    y = ct.conv2d_div_leaky_relu(x, w, b, 2.0, 0.01, 1, 0, algorithm="fused")
+    gy = torch.randn_like(y)
+    ct.conv.FUSED_WGRAD = True
+    for _ in range(3):
+        torch.autograd.grad(y, (w, b), gy, retain_graph=True)
+    torch.cuda.synchronize()
+
+
+def ncu_us(pythonpath: Path, dtype_name: str, layout: str) -> float:
+    """The kernel's duration (us) under ncu, this script's child in ``pythonpath``."""
+    cmd = ["ncu", "-k", "regex:conv2d_wgrad_kernel", "--launch-skip", "1", "--launch-count", "1",
+           "--metrics", "gpu__time_duration.sum", sys.executable, __file__, "--child",
+           dtype_name, layout]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(pythonpath))
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300).stdout
+    m = re.search(r"gpu__time_duration\.sum\s+(\S+)\s+([\d.,]+)", out)
+    if m is None:
+        raise SystemExit(f"wgrad_probe: no duration in ncu's output:\n{out[-2000:]}")
+    value = float(m.group(2).replace(",", ""))
+    return value * {"ms": 1000.0, "us": 1.0, "usecond": 1.0, "msecond": 1000.0}.get(m.group(1), 1.0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "float16"],
+                    choices=["float32", "float16", "bfloat16"])  # fmt: skip
+    ap.add_argument("--layouts", nargs="+", default=["nchw"], choices=["nchw", "nhwc"])
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(*args.child)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = {name: make_copy(edits, Path(tmp) / str(i))
+                for i, (name, edits) in enumerate(VARIANTS.items())}  # fmt: skip
+        print(f"{'dtype':9s} {'layout':6s} " + " ".join(f"{v:>10s}" for v in VARIANTS) + "  (us)")
+        for dt in args.dtypes:
+            for layout in args.layouts:
+                times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+                for _ in range(args.repeats):
+                    for name, where in dirs.items():
+                        if name == "no dy, x" and layout == "nhwc":
+                            continue  # the NHWC patch copy is the forward's (conv2d_tiles.cuh)
+                        times[name].append(ncu_us(where, dt, layout))
+                cells = [f"{min(t):10.1f}" if t else f"{'-':>10s}" for t in times.values()]
+                print(f"{dt:9s} {layout:6s} " + " ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
