@@ -21,7 +21,8 @@
 // three passes, split) once, when they are copied in.
 //
 // Precision. kPasses = 3 is the 3xTF32 split: every float a is a_big + a_small
-// with a_big = tf32(a) and a_small = tf32(a - a_big), and a * b is summed as
+// with a_big = tf32(a) and a_small = a - a_big (exact; the tensor cores read
+// its top TF32 bits, within 2^-22 |a|), and a * b is summed as
 // a_small * b_big + a_big * b_small + a_big * b_big (the small * small term,
 // below 2^-22 |a b|, is dropped), so products keep about 21 of float32's 24
 // bits and the sum accumulates in float32: FP32 accuracy, not bit equality

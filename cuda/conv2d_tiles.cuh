@@ -53,25 +53,30 @@ __device__ __forceinline__ u32 to_tf32(float x) {
 
 __device__ __forceinline__ bool finite_bits(u32 b) { return (b & 0x7f800000u) != 0x7f800000u; }
 
-// The operands of x in kPasses passes, as stored in shared memory. One pass:
-// tf32(x). Three: big = tf32(x), small = tf32(x - big); a non-finite x (or one
-// whose big rounds to inf) is stored as big = 0, small = x, so that of the
+// The operands of x in kPasses passes. One pass: tf32(x). Three: big = x's
+// bits rounded to TF32 (half a unit added to the magnitude, the low 13 bits
+// dropped: round half away from zero, as cvt.rna), small = x - big, exact in
+// FP32 and kept with its low bits (the tensor cores read a TF32 operand's top
+// 19 bits), so that small is off by less than 2^-11 of |small| <= 2^-11 |x|.
+// A non-finite big (x inf or NaN, or a finite x past the largest TF32 value)
+// is stored as big = 0 and small = inf, or the canonical NaN, so that of the
 // three products only small_a * big_b or big_a * small_b carries it, against
 // the other operand's finite part, and no padding or correction term turns
 // it into NaN (inf * 0) where the FP32 sum would not. (Both operands
 // non-finite in one product gives NaN where the sum may give inf.)
 template <int kPasses>
 __device__ __forceinline__ void split(float x, u32& big, u32& small) {
-  big = to_tf32(x);
-  if (kPasses == 1) return;
-  if (!finite_bits(big)) {
-    small = big;
-    big = 0u;
+  if (kPasses == 1) {
+    big = to_tf32(x);
     return;
   }
-  float r;
-  asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(__uint_as_float(big)));
-  small = to_tf32(r);
+  const u32 b = __float_as_uint(x);
+  const u32 r = (b + 0x1000u) & 0xffffe000u;
+  float d;
+  asm("sub.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(x), "f"(__uint_as_float(r)));
+  const bool finite = finite_bits(r);
+  big = finite ? r : 0u;
+  small = finite ? __float_as_uint(d) : (b & 0x7fffffffu) > 0x7f800000u ? 0x7fffffffu : r;
 }
 
 // d += a * b, one 16x8x8 TF32 tile. Fragments (g = lane / 4, t = lane % 4):

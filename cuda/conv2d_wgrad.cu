@@ -16,7 +16,8 @@
 // block's 64 output channels), columns k = (ci, kh, kw) of one chunk of cc
 // input channels (at most 72 of depth, always 9 column tiles of 8: padding
 // depth reads a zero plane, so no MMA sits behind a branch), reduced over
-// output positions m. The bias gradient is a tenth column tile, all ones.
+// output positions m. The bias gradient is a tenth column tile, all ones
+// (one-pass float32: float sums of dz instead, kFaddBias).
 // Each block walks a fixed, contiguous run of 128-position tiles (the
 // forward's rectangles, output rows fastest) and per tile copies dz (A:
 // [co][m], floats, split into TF32 parts as its fragments are loaded: each is
@@ -116,40 +117,29 @@ __device__ __forceinline__ void load_dz4(const T* dy_e, const u32* mask, long lo
   bits = __funnelshift_r(lo, hi, sh);
 }
 
-// dz's A operands from its float in shared memory. Three passes: split<3>
-// (big, small). One pass: big = tf32(dz); for float32 also small = tf32(dz -
-// big) (0 if big is not finite), which only the bias gradient's MMAs use, so
-// that gb keeps FP32 accuracy at either precision. (float16 and bfloat16
-// values are exact in TF32: no small part.)
+// The bias gradient of one-pass float32 as float sums of dz (each thread its
+// positions' values per channel row, reduced over the quad at the end): FP32
+// accuracy without a small TF32 part of dz and its MMAs. Three passes (and
+// 16-bit inputs, exact in TF32) keep it on the tensor cores as a column of ones.
 template <typename T, int kPasses>
-__device__ __forceinline__ void dz_operands(float v, u32& big, u32& small) {
-  if (kPasses == 3) {
-    split<3>(v, big, small);
-    return;
-  }
-  big = to_tf32(v);
-  if (sizeof(T) != 4) return;
-  float r;
-  asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(v), "f"(__uint_as_float(big)));
-  small = finite_bits(big) ? to_tf32(r) : 0u;
-}
+constexpr bool kFaddBias = kPasses == 1 && sizeof(T) == 4;
 
 // acc += dz * patch and accb += dz * 1 over 8 positions (p0 .. p0 + 7 of the
 // tile) of this warp. The MMA's reduction index k = t, t + 4 stands for
 // positions p0 + 2t, p0 + 2t + 1 (any order of the sum's terms serves, if A
 // and B agree), so that a thread's two dz values lie side by side. a_row: the
 // shared address of its dz row at position p0 + 2t; kb_addr the shared
-// address of its B columns' patch
-// offsets, mo0 / mo1 the patch offsets of positions p0 + 2t and p0 + 2t + 1
-// (bytes), ones the B operand of a column of ones (the bias gradient is dz
-// times it, on the tensor cores). kGuard: positions of the step outside the
-// output (`live` bit j: position p0 + 2t + j exists) take zero patch operands.
+// address of its B columns' patch offsets, mo0 / mo1 the patch offsets of
+// positions p0 + 2t and p0 + 2t + 1 (bytes), ones the B operand of a column
+// of ones (the bias gradient is dz times it, on the tensor cores; one-pass
+// float32 sums the floats, kFaddBias). kGuard: positions of the step outside
+// the output (`live` bit j: position p0 + 2t + j exists) take zero patch
+// operands.
 template <typename T, int kPasses, bool kGuard>
 __device__ __forceinline__ void wgrad_step(float (&acc)[2][kWgradCols][4], float (&accb)[2][4],
                                            u32 a_row, u32 kb_addr, u32 patch_addr,
                                            int mo0, int mo1, u32 live, const u32 (&ones)[2]) {
   constexpr int kParts = kPasses == 3 ? 2 : 1;
-  constexpr bool kSmallA = kPasses == 3 || sizeof(T) == 4;
   static_assert(kWgradCols % 3 == 0, "column tiles in groups of three");
   u32 a[2][2][4];
 #pragma unroll
@@ -160,8 +150,12 @@ __device__ __forceinline__ void wgrad_step(float (&acc)[2][kWgradCols][4], float
       asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];"
                    : "=f"(v0), "=f"(v1)
                    : "r"(a_row + (i * 16 * kDS + h * 8 * kDS) * 4));
-      dz_operands<T, kPasses>(v0, a[0][i][h], a[1][i][h]);
-      dz_operands<T, kPasses>(v1, a[0][i][h + 2], a[1][i][h + 2]);
+      split<kPasses>(v0, a[0][i][h], a[1][i][h]);  // one pass: big alone (kFaddBias)
+      split<kPasses>(v1, a[0][i][h + 2], a[1][i][h + 2]);
+      if (kFaddBias<T, kPasses>) {  // rows g, g + 8: accb[i][0], accb[i][2]
+        accb[i][2 * h] = add_rn(accb[i][2 * h], v0);
+        accb[i][2 * h] = add_rn(accb[i][2 * h], v1);
+      }
     }
   // Column tiles in groups of three: each pass's MMAs over a group are six
   // independent accumulators back to back (the three passes of one
@@ -195,9 +189,10 @@ __device__ __forceinline__ void wgrad_step(float (&acc)[2][kWgradCols][4], float
 #pragma unroll
       for (int i = 0; i < 2; ++i) mma_tf32(acc[i][j0 + jj], a[0][i], b[jj][0]);
   }
+  if (kFaddBias<T, kPasses>) return;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    if (kSmallA) mma_tf32(accb[i], a[1][i], ones);
+    if (kPasses == 3) mma_tf32(accb[i], a[1][i], ones);
     mma_tf32(accb[i], a[0][i], ones);
   }
 }
@@ -479,6 +474,15 @@ __global__ void __launch_bounds__(kConvThreads, 3) conv2d_wgrad_kernel(const Con
     }
   }
   __syncthreads();  // done with the patch: the halves' sums take its place
+  if (kFaddBias<T, kPasses>) {  // the quad's sums of each row, in a fixed order
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int q = 0; q < 4; q += 2) {
+        accb[i][q] = add_rn(accb[i][q], __shfl_xor_sync(0xffffffffu, accb[i][q], 1));
+        accb[i][q] = add_rn(accb[i][q], __shfl_xor_sync(0xffffffffu, accb[i][q], 2));
+      }
+  }
 
   // The second half's sums into shared memory, added to the first half's in
   // order, then this split's partial weight (and bias) gradient out. Bias

@@ -1,22 +1,26 @@
 """Where the fused weight gradient's time goes: what is left of it without its loads.
 
     PYTHONPATH=. python scripts/wgrad_probe.py [--dtypes float32 float16]
-        [--layouts nchw nhwc] [--repeats 2]
+        [--layouts nchw nhwc] [--algorithm fused] [--repeats 2]
+        [--variants kernel "no dy" "no dy, x"] [--base DIR] [--forward]
 
 Nsight Compute's duration (``ncu`` must be on PATH; it locks the clocks, so
 the figures compare across variants on a noisy host) of one launch of
-``conv2d_wgrad_kernel`` at the seed shape (conv 8->64 3x3 on 128x8x128x128,
-"fused": 3xTF32 for float32), for this version and for copies of it with
-parts of the memory traffic taken out:
+``conv2d_wgrad_kernel`` at the seed shape (conv 8->64 3x3 on 128x8x128x128;
+"fused": 3xTF32 for float32, "fused_tf32": one pass), for this version and
+for copies of it with parts of the memory traffic taken out:
 
   kernel     cuda/conv2d_wgrad.cu as it is
   no dy      dy and the mask not read: load_dz4 (NCHW) and the NHWC loads
              make up values from the index instead (same instructions after)
   no dy, x   also no input loads (NCHW patch copy: every load predicated off)
+  base       with --base DIR: DIR's cupy_act/ and cuda/ as they are (another
+             version, e.g. ``git archive`` of the last commit), to compare
 
 The gaps bound what hiding those loads behind the MMAs can gain; what is left
 is the kernel's instruction-bound part (forming dz, splitting, the MMA loop).
-Rows repeat ``--repeats`` times, variants interleaved.
+--forward adds the forward kernel (``conv2d_kernel``, same shape) for this
+version and the base. Rows repeat ``--repeats`` times, variants interleaved.
 """
 
 from __future__ import annotations
@@ -70,8 +74,8 @@ def make_copy(edits: list[tuple[str, str]], where: Path) -> Path:
     return where
 
 
-def child(dtype_name: str, layout: str) -> None:
-    """Run the seed shape's weight gradient three times (ncu times the second)."""
+def child(dtype_name: str, layout: str, algorithm: str, what: str) -> None:
+    """Run the seed shape's weight gradient (or forward) three times (ncu times the second)."""
     import torch
 
     import cupy_act.torch as ct
@@ -83,26 +87,44 @@ def child(dtype_name: str, layout: str) -> None:
         x = x.contiguous(memory_format=torch.channels_last)
     w = (torch.randn(64, 8, 3, 3, device="cuda", dtype=dt) * 0.1).requires_grad_()
     b = torch.randn(64, device="cuda", dtype=dt).requires_grad_()
-    y = ct.conv2d_div_leaky_relu(x, w, b, 2.0, 0.01, 1, 0, algorithm="fused")
+    y = ct.conv2d_div_leaky_relu(x, w, b, 2.0, 0.01, 1, 0, algorithm=algorithm)
     gy = torch.randn_like(y)
     ct.conv.FUSED_WGRAD = True
     for _ in range(3):
-        torch.autograd.grad(y, (w, b), gy, retain_graph=True)
+        if what == "forward":
+            ct.conv2d_div_leaky_relu(x, w, b, 2.0, 0.01, 1, 0, algorithm=algorithm)
+        else:
+            torch.autograd.grad(y, (w, b), gy, retain_graph=True)
     torch.cuda.synchronize()
 
 
-def ncu_us(pythonpath: Path, dtype_name: str, layout: str) -> float:
-    """The kernel's duration (us) under ncu, this script's child in ``pythonpath``."""
-    cmd = ["ncu", "-k", "regex:conv2d_wgrad_kernel", "--launch-skip", "1", "--launch-count", "1",
+def ncu_us(pythonpath: Path, kernel: str, child_args: list[str]) -> float:
+    """``kernel``'s duration (us) under ncu, this script's child in ``pythonpath``."""
+    cmd = ["ncu", "-k", f"regex:{kernel}", "--launch-skip", "1", "--launch-count", "1",
            "--metrics", "gpu__time_duration.sum", sys.executable, __file__, "--child",
-           dtype_name, layout]  # fmt: skip
+           *child_args]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(pythonpath))
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300).stdout
     m = re.search(r"gpu__time_duration\.sum\s+(\S+)\s+([\d.,]+)", out)
     if m is None:
         raise SystemExit(f"wgrad_probe: no duration in ncu's output:\n{out[-2000:]}")
     value = float(m.group(2).replace(",", ""))
-    return value * {"ms": 1000.0, "us": 1.0, "usecond": 1.0, "msecond": 1000.0}.get(m.group(1), 1.0)
+    return value * {"ms": 1000.0, "msecond": 1000.0}.get(m.group(1), 1.0)
+
+
+def table(title: str, dirs: dict[str, Path], kernel: str, what: str, args) -> None:
+    """One row per dtype and layout, one column per variant (min over repeats)."""
+    print(f"{title}\n{'dtype':9s} {'layout':6s} " + " ".join(f"{v:>10s}" for v in dirs) + "  (us)")
+    for dt in args.dtypes:
+        for layout in args.layouts:
+            times: dict[str, list[float]] = {v: [] for v in dirs}
+            for _ in range(args.repeats):
+                for name, where in dirs.items():
+                    if name == "no dy, x" and layout == "nhwc":
+                        continue  # the NHWC patch copy is the forward's (conv2d_tiles.cuh)
+                    times[name].append(ncu_us(where, kernel, [dt, layout, args.algorithm, what]))
+            cells = [f"{min(t):10.1f}" if t else f"{'-':>10s}" for t in times.values()]
+            print(f"{dt:9s} {layout:6s} " + " ".join(cells), flush=True)
 
 
 def main() -> None:
@@ -110,26 +132,28 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "float16"],
                     choices=["float32", "float16", "bfloat16"])  # fmt: skip
     ap.add_argument("--layouts", nargs="+", default=["nchw"], choices=["nchw", "nhwc"])
+    ap.add_argument("--algorithm", default="fused", choices=["fused", "fused_tf32"])
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--base", type=Path, help="another version's cupy_act/ and cuda/")
+    ap.add_argument("--forward", action="store_true", help="also the forward kernel")
+    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(*args.child)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        dirs = {name: make_copy(edits, Path(tmp) / str(i))
-                for i, (name, edits) in enumerate(VARIANTS.items())}  # fmt: skip
-        print(f"{'dtype':9s} {'layout':6s} " + " ".join(f"{v:>10s}" for v in VARIANTS) + "  (us)")
-        for dt in args.dtypes:
-            for layout in args.layouts:
-                times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-                for _ in range(args.repeats):
-                    for name, where in dirs.items():
-                        if name == "no dy, x" and layout == "nhwc":
-                            continue  # the NHWC patch copy is the forward's (conv2d_tiles.cuh)
-                        times[name].append(ncu_us(where, dt, layout))
-                cells = [f"{min(t):10.1f}" if t else f"{'-':>10s}" for t in times.values()]
-                print(f"{dt:9s} {layout:6s} " + " ".join(cells), flush=True)
+        dirs = {}
+        if args.base:
+            dirs["base"] = args.base.resolve()
+        for i, name in enumerate(args.variants):
+            dirs[name] = make_copy(VARIANTS[name], Path(tmp) / str(i))
+        table(f"conv2d_wgrad_kernel, {args.algorithm}", dirs, "conv2d_wgrad_kernel", "wgrad", args)
+        if args.forward:
+            fwd = {k: v for k, v in dirs.items() if k in ("base", "kernel")}
+            table(
+                f"conv2d_kernel (forward), {args.algorithm}", fwd, "conv2d_kernel", "forward", args
+            )
 
 
 if __name__ == "__main__":
