@@ -22,10 +22,10 @@
 //
 // Precision. kPasses = 3 is the 3xTF32 split: every float a is a_big + a_small
 // with a_big = tf32(a) and a_small = a - a_big (exact; the tensor cores read
-// its top TF32 bits, within 2^-22 |a|), and a * b is summed as
+// its top TF32 bits, within 2^-21 |a|), and a * b is summed as
 // a_small * b_big + a_big * b_small + a_big * b_big (the small * small term,
-// below 2^-22 |a b|, is dropped), so products keep about 21 of float32's 24
-// bits and the sum accumulates in float32: FP32 accuracy, not bit equality
+// below 2^-22 |a b|, is dropped), so products are within 5 * 2^-22 |a b|
+// and the sum accumulates in float32: FP32 accuracy, not bit equality
 // with cuDNN, whose summation order no one can match. kPasses = 1 is plain
 // TF32 (10-bit mantissas, what cuDNN and torch.compile use with TF32 allowed).
 // float16 and bfloat16 inputs convert to float exactly and fit TF32 exactly,

@@ -56,8 +56,9 @@ __device__ __forceinline__ bool finite_bits(u32 b) { return (b & 0x7f800000u) !=
 // The operands of x in kPasses passes. One pass: tf32(x). Three: big = x's
 // bits rounded to TF32 (half a unit added to the magnitude, the low 13 bits
 // dropped: round half away from zero, as cvt.rna), small = x - big, exact in
-// FP32 and kept with its low bits (the tensor cores read a TF32 operand's top
-// 19 bits), so that small is off by less than 2^-11 of |small| <= 2^-11 |x|.
+// FP32 and kept with its low bits: the tensor cores read a TF32 operand's top
+// 19 bits, so small counts to within 2^-10 |small| <= 2^-21 |x| (one TF32
+// rounding of it would give 2^-22 |x|, for four more operations per value).
 // A non-finite big (x inf or NaN, or a finite x past the largest TF32 value)
 // is stored as big = 0 and small = inf, or the canonical NaN, so that of the
 // three products only small_a * big_b or big_a * small_b carries it, against
