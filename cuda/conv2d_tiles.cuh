@@ -25,7 +25,9 @@ struct ConvParams {
   int pad_;
   u64 slope, scale, alpha;  // float bits, as in Params
   // The weight gradient (conv2d_wgrad.cu): per-split partial sums, then gw, gb.
-  void* gw;                 // (Cout, Cin, kH, kW) dense, the weight's dtype
+  // The input gradient (conv2d_dgrad.cu): dx in gw, input rows per block in
+  // tiles_per_split, column tiles in tiles_w.
+  void* gw;                 // (Cout, Cin, kH, kW) dense, the weight's dtype (dgrad: dx)
   void* gb;                 // (Cout,) or null
   float* part;              // [splits][cout][K] partial gw, then [splits][cout] partial gb
   int tiles_per_split, splits;
@@ -89,6 +91,47 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const u32 (&a)[4], const
       "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Predicated loads (read-only data): the value where `pred`, else zero bits;
+// no branch, and no memory access where false.
+template <typename T>
+__device__ __forceinline__ T ldg_if(const T* src, bool pred) {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 2, "32- or 16-bit elements");
+  union {
+    T v;
+    u32 w;
+    u16 h;
+  } r;
+  if (sizeof(T) == 4)
+    asm("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n mov.b32 %0, 0;\n"
+        " @q ld.global.nc.b32 %0, [%1];\n}"
+        : "=r"(r.w) : "l"(src), "r"((int)pred));
+  else
+    asm("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n mov.b16 %0, 0;\n"
+        " @q ld.global.nc.b16 %0, [%1];\n}"
+        : "=h"(r.h) : "l"(src), "r"((int)pred));
+  return r.v;
+}
+
+// src[0 .. 3] from a (4 * sizeof(T))-byte aligned address where `pred`, else zeros.
+template <typename T>
+__device__ __forceinline__ void ldg4_if(const T* src, bool pred, T (&d)[4]) {
+  union {
+    T e[4];
+    u32 w[4];
+  } r;
+  if (sizeof(T) == 4)
+    asm("{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n"
+        " mov.b32 %2, 0;\n mov.b32 %3, 0;\n @q ld.global.nc.v4.b32 {%0, %1, %2, %3}, [%4];\n}"
+        : "=r"(r.w[0]), "=r"(r.w[1]), "=r"(r.w[2]), "=r"(r.w[3])
+        : "l"(src), "r"((int)pred));
+  else
+    asm("{\n .reg .pred q;\n setp.ne.b32 q, %3, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n"
+        " @q ld.global.nc.v2.b32 {%0, %1}, [%2];\n}"
+        : "=r"(r.w[0]), "=r"(r.w[1]) : "l"(src), "r"((int)pred));
+#pragma unroll
+  for (int j = 0; j < 4; ++j) d[j] = r.e[j];
 }
 
 // 4 consecutive elements of T from src (aligned to 4 * sizeof(T) where

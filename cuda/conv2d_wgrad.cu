@@ -55,47 +55,6 @@ constexpr int kDS = kBM + 8;
 constexpr int kWgradDepth = 72;     // depth per chunk (9 column tiles of 8; padding reads zeros)
 constexpr int kWgradCols = kWgradDepth / 8;
 
-// Predicated loads (read-only data): the value where `pred`, else zero bits;
-// no branch, and no memory access where false.
-template <typename T>
-__device__ __forceinline__ T ldg_if(const T* src, bool pred) {
-  static_assert(sizeof(T) == 4 || sizeof(T) == 2, "32- or 16-bit elements");
-  union {
-    T v;
-    u32 w;
-    u16 h;
-  } r;
-  if (sizeof(T) == 4)
-    asm("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n mov.b32 %0, 0;\n"
-        " @q ld.global.nc.b32 %0, [%1];\n}"
-        : "=r"(r.w) : "l"(src), "r"((int)pred));
-  else
-    asm("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n mov.b16 %0, 0;\n"
-        " @q ld.global.nc.b16 %0, [%1];\n}"
-        : "=h"(r.h) : "l"(src), "r"((int)pred));
-  return r.v;
-}
-
-// src[0 .. 3] from a (4 * sizeof(T))-byte aligned address where `pred`, else zeros.
-template <typename T>
-__device__ __forceinline__ void ldg4_if(const T* src, bool pred, T (&d)[4]) {
-  union {
-    T e[4];
-    u32 w[4];
-  } r;
-  if (sizeof(T) == 4)
-    asm("{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n"
-        " mov.b32 %2, 0;\n mov.b32 %3, 0;\n @q ld.global.nc.v4.b32 {%0, %1, %2, %3}, [%4];\n}"
-        : "=r"(r.w[0]), "=r"(r.w[1]), "=r"(r.w[2]), "=r"(r.w[3])
-        : "l"(src), "r"((int)pred));
-  else
-    asm("{\n .reg .pred q;\n setp.ne.b32 q, %3, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n"
-        " @q ld.global.nc.v2.b32 {%0, %1}, [%2];\n}"
-        : "=r"(r.w[0]), "=r"(r.w[1]) : "l"(src), "r"((int)pred));
-#pragma unroll
-  for (int j = 0; j < 4; ++j) d[j] = r.e[j];
-}
-
 // dy[e .. e + valid - 1] (valid <= 4, dy_e = dy + e) and their mask bits (bit
 // j: element e + j); zero bits past `valid`, no access there. vec4 (e % 4 ==
 // 0, dy 4-element aligned, valid 0 or 4): one vector load and one mask word;

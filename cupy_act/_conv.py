@@ -1,5 +1,6 @@
 """The fused convolution kernels (``cuda/conv2d.cu``, the forward;
-``cuda/conv2d_wgrad.cu``, the weight and bias gradients): geometry checks,
+``cuda/conv2d_wgrad.cu``, the weight and bias gradients;
+``cuda/conv2d_dgrad.cu``, the input gradient): geometry checks,
 lazy compilation and the launches, on raw device pointers (no CuPy or torch
 arrays).
 
@@ -8,7 +9,8 @@ needs it (the forward's on the first fused call in that dtype, the weight
 gradient's on the first fused backward), separate from the elementwise
 modules (the first activation call never pays for them). The array-level
 entry (``cupy_act.conv``) and the torch adapter (``cupy_act.torch.conv``)
-check their arrays, allocate, and call ``launch`` / ``launch_wgrad``.
+check their arrays, allocate, and call ``launch`` / ``launch_wgrad`` /
+``launch_dgrad``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ._scalars import kernel_scalars
 
 SOURCE = "conv2d.cu"
 WGRAD_SOURCE = "conv2d_wgrad.cu"
+DGRAD_SOURCE = "conv2d_dgrad.cu"
 THREADS = 128  # kConvThreads
 TILE_M, TILE_N = 128, 64  # output positions x output channels per block (kBM, kBN)
 DTYPES = ("float32", "float16", "bfloat16")  # float64 stays on PyTorch's convolution
@@ -69,6 +72,21 @@ def wgrad_kernel_names(dtype: str) -> tuple[str, ...]:
 def all_wgrad_kernel_names() -> tuple[str, ...]:
     """Every weight-gradient instantiation, for the NVRTC checks."""
     return tuple(n for d in DTYPES for n in wgrad_kernel_names(d))
+
+
+def dgrad_kernel_names(dtype: str) -> tuple[str, ...]:
+    """The input-gradient module's instantiations for ``dtype``, in the order
+    of ``module_keys``."""
+    t = CTYPES[dtype]
+    return tuple(
+        f"cupy_act::conv2d_dgrad_kernel<{t}, {n}, {'true' if cl else 'false'}>"
+        for _, n, cl in module_keys(dtype)
+    )
+
+
+def all_dgrad_kernel_names() -> tuple[str, ...]:
+    """Every input-gradient instantiation, for the NVRTC checks."""
+    return tuple(n for d in DTYPES for n in dgrad_kernel_names(d))
 
 
 class Geometry(NamedTuple):
@@ -233,8 +251,17 @@ _lock = threading.Lock()
 _modules: dict[object, object] = {}
 _kernels: dict[tuple, ConvKernel] = {}  # (device, dtype, passes, channels_last)
 _wgrad_kernels: dict[tuple, tuple[ConvKernel, ConvKernel]] = {}  # the same keys: (main, finish)
+_dgrad_kernels: dict[tuple, ConvKernel] = {}  # the same keys
 _smem_set: dict[int, int] = {}  # CUfunction -> dynamic shared memory allowed so far
 _resident: dict[tuple, int] = {}  # (device, CUfunction, smem) -> blocks the device holds at once
+
+
+def _load(device: int, module_key, source: str, names) -> list[ConvKernel]:
+    """``names`` from the module ``module_key`` of ``source`` on ``device``
+    (compiled, or loaded from CuPy's disk cache, on first use); callers hold
+    _lock."""
+    ctx, functions = _loader.load_module(_modules, module_key, source, list(names), device)
+    return [ConvKernel(f.kernel.ptr, ctx, f.kernel) for f in functions]
 
 
 def kernel(device: int, dtype: str, n_passes: int, channels_last: bool) -> ConvKernel:
@@ -246,10 +273,9 @@ def kernel(device: int, dtype: str, n_passes: int, channels_last: bool) -> ConvK
         return k
     with _lock:
         keys = module_keys(dtype)
-        names = [kernel_name(*k) for k in keys]
-        ctx, functions = _loader.load_module(_modules, dtype, SOURCE, names, device)
-        for k2, f in zip(keys, functions):
-            _kernels[(device, *k2)] = ConvKernel(f.kernel.ptr, ctx, f.kernel)
+        loaded = _load(device, dtype, SOURCE, [kernel_name(*k) for k in keys])
+        for k2, kern in zip(keys, loaded):
+            _kernels[(device, *k2)] = kern
     return _kernels[key]
 
 
@@ -263,14 +289,24 @@ def wgrad_kernels(
     if k is not None:
         return k
     with _lock:
-        names = list(wgrad_kernel_names(dtype))
-        ctx, functions = _loader.load_module(
-            _modules, (dtype, "wgrad"), WGRAD_SOURCE, names, device
-        )
-        finish = ConvKernel(functions[-1].kernel.ptr, ctx, functions[-1].kernel)
-        for k2, f in zip(module_keys(dtype), functions):
-            _wgrad_kernels[(device, *k2)] = (ConvKernel(f.kernel.ptr, ctx, f.kernel), finish)
+        loaded = _load(device, (dtype, "wgrad"), WGRAD_SOURCE, wgrad_kernel_names(dtype))
+        for k2, kern in zip(module_keys(dtype), loaded):
+            _wgrad_kernels[(device, *k2)] = (kern, loaded[-1])
     return _wgrad_kernels[key]
+
+
+def dgrad_kernel(device: int, dtype: str, n_passes: int, channels_last: bool) -> ConvKernel:
+    """The input gradient's kernel on ``device``; the first call per (device,
+    dtype) compiles (or loads) that dtype's module."""
+    key = (device, dtype, n_passes, channels_last)
+    k = _dgrad_kernels.get(key)
+    if k is not None:
+        return k
+    with _lock:
+        loaded = _load(device, (dtype, "dgrad"), DGRAD_SOURCE, dgrad_kernel_names(dtype))
+        for k2, kern in zip(module_keys(dtype), loaded):
+            _dgrad_kernels[(device, *k2)] = kern
+    return _dgrad_kernels[key]
 
 
 def load(device: int) -> None:
@@ -474,3 +510,86 @@ def launch_wgrad(
     outputs = g.cout * (g.cin * g.kh * g.kw + (1 if gb else 0))
     grid = (math.ceil(outputs / FINISH_THREADS), 1)
     _launch.run(finish.ptr, finish.ctx, grid, FINISH_THREADS, stream, s.argv_ptr)
+
+
+# ---- the input gradient (conv2d_dgrad.cu) ----
+
+DGRAD_COLS = 128  # kDgradCols: dz positions per block row
+DGRAD_STRIDE = DGRAD_COLS - 2  # kDgradStride: column tiles share kw - 1 dz columns
+DGRAD_RS = 25  # kDgradRS: words per position of a finished row's sums
+DGRAD_TAPS = 9
+
+
+def dgrad_smem(g: Geometry, n_passes: int) -> int:
+    """Shared memory of the input-gradient kernel, bytes: the weights split
+    in fragment order ([cout / 8 steps][9 taps][32 lanes][2] words per part)
+    and one row's sums."""
+    parts = 2 if n_passes == 3 else 1
+    steps = -(-g.cout // 8)
+    return 4 * (parts * steps * DGRAD_TAPS * 64 + DGRAD_COLS * DGRAD_RS)
+
+
+def dgrad_fits(g: Geometry, n_passes: int) -> bool:
+    """Whether the input-gradient kernel applies: 3 x 3 filters, stride 1,
+    dilation 1, padding at most 2 (so every input column's dz columns lie
+    in one column tile), 32-bit offsets within an image, and the weights in
+    shared memory (else cuDNN's data gradient from a materialized dz)."""
+    return (
+        (g.kh, g.kw) == (3, 3)
+        and g.stride == (1, 1)
+        and g.dilation == (1, 1)
+        and max(g.padding) <= 2
+        and g.cout * g.oh * g.ow < _INT32
+        and g.cin * g.h * g.w < _INT32
+        and dgrad_smem(g, n_passes) <= SMEM_MAX
+    )
+
+
+def dgrad_groups(g: Geometry) -> int:
+    """Groups of 8 input channels, one block column each (each reads dy)."""
+    return -(-g.cin // 8)
+
+
+def dgrad_column_tiles(g: Geometry) -> int:
+    """Column tiles of the input gradient: enough that the last one holds
+    every dz column an input column reads (those below min(ow, w + pw))."""
+    need = min(g.ow, g.w + g.padding[1])
+    return 1 + max(0, -(-(need - DGRAD_COLS) // DGRAD_STRIDE))
+
+
+def launch_dgrad(
+    device: int,
+    dtype: str,
+    precision: str,
+    channels_last: bool,
+    g: Geometry,
+    stream: int,
+    dy: int,
+    mask: int,
+    w: int,
+    dx: int,
+    negative_slope,
+    divisor,
+    fname: str,
+) -> None:
+    """dx of ``leaky_relu((conv2d(x, w) + bias) / divisor)`` from dy and the
+    forward's mask (dy and dx dense in one layout, NCHW or NHWC, the mask in
+    dy's memory order; w OIHW). Every element of dx is written. The caller
+    checked ``dgrad_fits``."""
+    slope, scale = kernel_scalars("div_leaky_relu", negative_slope, divisor, False, fname)
+    units = g.n * dgrad_column_tiles(g) * g.h  # input rows of every column tile
+    if units == 0:
+        return
+    n_passes = passes(dtype, precision)
+    k = dgrad_kernel(device, dtype, n_passes, channels_last)
+    smem = dgrad_smem(g, n_passes)
+    _allow_smem(k, smem)
+    groups = dgrad_groups(g)
+    # One wave: each block a contiguous run of input rows (the ring's two
+    # extra dz rows per stretch are the cost of a split).
+    blocks = min(units, max(1, _blocks(device, k, smem) // groups))
+    per = -(-units // blocks)
+    blocks = -(-units // per)
+    tl = Tiling(7, 0, dgrad_column_tiles(g), 0, 0, 0, 0, smem)
+    s = _pack(g, tl, 0, w, 0, dy, mask, slope, scale, dx, 0, 0, per, 0)
+    _launch.run(k.ptr, k.ctx, (blocks, groups), THREADS, stream, s.argv_ptr, smem)

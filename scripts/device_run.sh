@@ -68,6 +68,17 @@ if has sanitizer; then
     python3 -m pytest -q -p no:cacheprovider tests/test_conv_wgrad.py -k "(wide1 or wide3 or case3-) and dtype0-fused-" \
     >> "$OUT/sanitizer_conv.log" 2>&1
   echo "racecheck rc=$?" >> "$OUT/sanitizer_conv.log"
+  # the fused input gradient: odd shapes, column tiles, runs of rows over
+  # image boundaries, unaligned dy, non-finite values, the row sums' barriers
+  DG="(accuracy and (case0- or case5- or case9-) and dtype0-fused-) or non_finite or unaligned or empty"
+  DG="$DG or ((wide1 or wide2 or wide4) and dtype0-fused-)"
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_conv_dgrad.py -k "$DG" >> "$OUT/sanitizer_conv.log" 2>&1
+  echo "sanitizer rc=$?" >> "$OUT/sanitizer_conv.log"
+  timeout 300 compute-sanitizer --tool racecheck --kernel-name kns=conv2d_dgrad --error-exitcode 99 \
+    python3 -m pytest -q -p no:cacheprovider tests/test_conv_dgrad.py -k "(wide1 or case5-) and dtype0-fused-" \
+    >> "$OUT/sanitizer_conv.log" 2>&1
+  echo "racecheck rc=$?" >> "$OUT/sanitizer_conv.log"
   # the fused BatchNorm: NCHW counters (the last block per channel finishes it), both layouts
   timeout 200 compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
     tests/test_batchnorm.py -k "nchw_reductions or cuda_graphs or (accuracy and float32 and 40)" \

@@ -1,8 +1,8 @@
-"""The fused weight gradient against the path it replaces, backward alone.
+"""The fused weight (or input) gradient against the path it replaces, backward alone.
 
     PYTHONPATH=. python scripts/wgrad_bench.py [--shapes ref 16to32 ...]
         [--dtypes float32 float16 bfloat16] [--layouts nchw nhwc] [--iters 15]
-        [--json out.json]
+        [--grad w|x] [--json out.json]
 
 The convolution block of scripts/conv_bench.py (same shapes), x needing no
 gradient (a first layer, the seed model): per shape, dtype, layout and fused
@@ -14,6 +14,12 @@ how many channel chunks the kernel splits the filter depth into (each reads
 dy once; the default, FUSED_WGRAD None, takes the kernel at one chunk).
 "floor": reading dy, the mask and x once at the bandwidth of a device copy
 of dy measured in the same run.
+
+``--grad x``: the same for the input gradient alone (x needing a gradient,
+the weight and bias not), with ``conv.FUSED_DGRAD`` False (the mask
+backward, then cuDNN's data gradient) and True (cuda/conv2d_dgrad.cu, where
+it applies: "chunks" is 1 there, else 0); "floor": reading dy and the mask
+and writing dx once.
 """
 
 from __future__ import annotations
@@ -30,9 +36,12 @@ from cupy_act import _conv, testing
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def backward_ms(y, wrt, gy, fused: bool, iters: int) -> float:
-    """Median ms of the weight and bias gradients with the kernel on or off."""
-    ct.conv.FUSED_WGRAD = fused
+FLAGS = {"w": "FUSED_WGRAD", "x": "FUSED_DGRAD"}
+
+
+def backward_ms(y, wrt, gy, flag: str, fused: bool, iters: int) -> float:
+    """Median ms of the gradients of ``wrt`` with the kernel (``flag``) on or off."""
+    setattr(ct.conv, flag, fused)
 
     def step():
         torch.autograd.grad(y, wrt, gy, retain_graph=True)
@@ -41,7 +50,7 @@ def backward_ms(y, wrt, gy, fused: bool, iters: int) -> float:
     return testing.median_ms(step, iters=iters)
 
 
-def run(name: str, dtype: torch.dtype, channels_last: bool, iters: int) -> list[dict]:
+def run(name: str, dtype: torch.dtype, channels_last: bool, iters: int, grad: str) -> list[dict]:
     n, cin, h, wd, cout, k, stride, pad = SHAPES[name]
     torch.manual_seed(0)
     conv = torch.nn.Conv2d(cin, cout, k, stride, pad).cuda()
@@ -52,21 +61,26 @@ def run(name: str, dtype: torch.dtype, channels_last: bool, iters: int) -> list[
     g = _conv.geometry("bench", x0.shape, w0.shape, stride, pad)
     rows = []
     for alg in ("fused", "fused_tf32") if dtype == torch.float32 else ("fused",):
-        w, b = (t.clone().requires_grad_() for t in (w0, b0))
-        y = ct.conv2d_div_leaky_relu(x0, w, b, DIVISOR, SLOPE, stride, pad, algorithm=alg)
+        w, b = (t.clone().requires_grad_(grad == "w") for t in (w0, b0))
+        x = x0.clone().requires_grad_(grad == "x")
+        y = ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, SLOPE, stride, pad, algorithm=alg)
+        wrt = (w, b) if grad == "w" else (x,)
         gy = torch.randn_like(y)
         src, dst = torch.randn_like(y), torch.empty_like(y)
         times: dict[object, list[float]] = {False: [], True: [], "copy": []}
         for _ in range(2):
             for fused in (False, True):
-                times[fused].append(backward_ms(y, (w, b), gy, fused, iters))
+                times[fused].append(backward_ms(y, wrt, gy, FLAGS[grad], fused, iters))
             times["copy"].append(testing.median_ms(lambda: dst.copy_(src), iters=iters))
         dy_bytes = y.numel() * y.element_size()
         moved = dy_bytes + y.numel() / 8 + x0.numel() * x0.element_size()
         floor = min(times["copy"]) * moved / (2 * dy_bytes)
         precision = "tf32" if alg == "fused_tf32" else "fp32"
         n_passes = _conv.passes(str(dtype).removeprefix("torch."), precision)
-        chunks = _conv.wgrad_chunks(g, n_passes) if _conv.wgrad_fits(g, n_passes) else 0
+        if grad == "x":
+            chunks = int(_conv.dgrad_fits(g, n_passes))
+        else:
+            chunks = _conv.wgrad_chunks(g, n_passes) if _conv.wgrad_fits(g, n_passes) else 0
         default, kernel = min(times[False]), min(times[True])
         row = dict(shape=name, dtype=str(dtype)[6:], layout="nhwc" if channels_last else "nchw",
                    algorithm=alg, chunks=chunks, default_ms=default, kernel_ms=kernel,
@@ -87,19 +101,21 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["float32"], choices=list(DTYPES))
     ap.add_argument("--layouts", nargs="+", default=["nchw"], choices=["nchw", "nhwc"])
     ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--grad", choices=list(FLAGS), default="w")
     ap.add_argument("--json")
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name()
     print(gpu, flush=True)
-    setting = ct.conv.FUSED_WGRAD
+    flag = FLAGS[args.grad]
+    setting = getattr(ct.conv, flag)
     rows = []
     try:
         for name in args.shapes:
             for dt in args.dtypes:
                 for layout in args.layouts:
-                    rows += run(name, DTYPES[dt], layout == "nhwc", args.iters)
+                    rows += run(name, DTYPES[dt], layout == "nhwc", args.iters, args.grad)
     finally:
-        ct.conv.FUSED_WGRAD = setting
+        setattr(ct.conv, flag, setting)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": gpu, "rows": rows}, f, indent=1)

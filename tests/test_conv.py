@@ -36,6 +36,7 @@ def block(x, w, b, stride=1, padding=0, dilation=1, divisor=DIVISOR, slope=SLOPE
 SOURCES = {  # the fused convolution's modules: source and instantiations
     "forward": (_conv.SOURCE, _conv.all_kernel_names()),
     "wgrad": (_conv.WGRAD_SOURCE, _conv.all_wgrad_kernel_names()),
+    "dgrad": (_conv.DGRAD_SOURCE, _conv.all_dgrad_kernel_names()),
 }
 
 

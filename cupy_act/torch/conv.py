@@ -20,11 +20,13 @@ with a choice of algorithm.
 Where the fused kernel does not apply (CPU tensors, float64, a padding string
 it cannot express, an image beyond 2^31 elements) ``"fused"`` falls back to
 ``"exact"``. Training through the fused kernel saves x, the weight and the
-1-bit mask; backward applies the mask, then PyTorch's convolution backward
-(or one kernel for the weight and bias gradients from dy, the mask and x,
-``cuda/conv2d_wgrad.cu``, PyTorch's then computing only the input gradient
-if x needs one: by default where one channel chunk holds the whole filter
-depth and the input is not 16-bit channels-last, see ``FUSED_WGRAD``).
+1-bit mask; backward applies the mask, then PyTorch's convolution backward,
+or, where they apply, one kernel for the weight and bias gradients from dy,
+the mask and x (``cuda/conv2d_wgrad.cu``: by default where one channel chunk
+holds the whole filter depth and the input is not 16-bit channels-last, see
+``FUSED_WGRAD``) and one for the input gradient from dy, the mask and the
+weight (``cuda/conv2d_dgrad.cu``: 3 x 3 filters, stride 1, see
+``FUSED_DGRAD``); dz then never goes to memory.
 """
 
 from __future__ import annotations
@@ -163,6 +165,53 @@ def _(x, gy, mask, weight_shape, with_bias, *args):
     return gw, x.new_empty(weight_shape[0] if with_bias else 0)
 
 
+def fused_dgrad(
+    gy: Tensor, mask: Tensor, weight: Tensor, x_shape, channels_last: bool, divisor, slope,
+    stride, padding, dilation, tf32: bool,
+) -> Tensor:  # fmt: skip
+    """The input gradient of the fused block from the upstream gradient and
+    the forward's mask, in one pass over dy and the mask
+    (``cuda/conv2d_dgrad.cu``), in x's layout (``channels_last``)."""
+    g = _conv.geometry(FNAME, x_shape, weight.shape, stride, padding, dilation)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    gy = gy.contiguous(memory_format=fmt)
+    w = weight.contiguous()
+    gx = torch.empty(tuple(x_shape), dtype=gy.dtype, device=gy.device, memory_format=fmt)
+    dev = gy.get_device()
+    _conv.launch_dgrad(
+        dev, _impl.DTYPE_NAMES[gy.dtype], "tf32" if tf32 else "fp32", channels_last, g,
+        _impl._raw_stream(dev), gy.data_ptr(), mask.data_ptr(), w.data_ptr(), gx.data_ptr(),
+        slope, divisor, FNAME,
+    )  # fmt: skip
+    return gx
+
+
+@torch.library.custom_op("cupy_act::conv2d_div_leaky_relu_dgrad", mutates_args=())
+def dgrad_op(
+    gy: Tensor,
+    mask: Tensor,
+    weight: Tensor,
+    x_shape: list[int],
+    channels_last: bool,
+    divisor: float,
+    negative_slope: float,
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    tf32: bool,
+) -> Tensor:
+    return fused_dgrad(
+        gy, mask, weight, x_shape, channels_last, divisor, negative_slope, stride, padding,
+        dilation, tf32,
+    )  # fmt: skip
+
+
+@dgrad_op.register_fake
+def _(gy, mask, weight, x_shape, channels_last, *args):
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    return torch.empty(tuple(x_shape), dtype=gy.dtype, device=gy.device, memory_format=fmt)
+
+
 def _setup(ctx, inputs, output):
     x, weight, bias, divisor, slope, stride, padding, dilation, tf32, with_mask = inputs
     if not with_mask:
@@ -177,10 +226,11 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, gy, gmask):
     """The weight and bias gradients from the fused weight-gradient kernel
-    (dy, the mask and x) where it applies (``_wgrad_fits``); the input
-    gradient, and the rest elsewhere, from the mask backward of the
-    elementwise op (dz) and PyTorch's convolution backward. Without an input
-    gradient dz is then never in memory."""
+    (dy, the mask and x) and the input gradient from the fused input-gradient
+    kernel (dy, the mask and the weight) where they apply (``_wgrad_fits``,
+    ``_dgrad_fits``); the rest from the mask backward of the elementwise op
+    (dz) and PyTorch's convolution backward. Where both kernels apply, dz is
+    never in memory."""
     if ctx.no_mask:
         raise RuntimeError(f"{FNAME}: this fused call ran without a mask; it has no backward")
     x, w, mask = ctx.saved_tensors
@@ -188,22 +238,26 @@ def _backward(ctx, gy, gmask):
     need = ctx.needs_input_grad
     with_bias = ctx.bias is not None and need[2]
     rest = (None,) * 7
-    gw = gb = None
+    gx = gw = gb = None
     fused_w = (need[1] or with_bias) and _wgrad_fits(x, w, stride, padding, dilation, tf32)
     if fused_w:
         gw, gb = wgrad_op(
             x, gy, mask, list(w.shape), with_bias, divisor, slope, stride, padding, dilation, tf32
         )
         gw, gb = gw if need[1] else None, gb if with_bias else None
-        if not need[0]:
-            return None, gw, gb, *rest
+    if fused_w or not (need[1] or with_bias):  # only the input gradient left, if any
+        if need[0] and _dgrad_fits(x, w, stride, padding, dilation, tf32):
+            gx = dgrad_op(
+                gy, mask, w, list(x.shape), cl, divisor, slope, stride, padding, dilation, tf32
+            )
+        elif need[0]:
+            d = _library.backward_op(gy, mask, "div_leaky_relu", slope, divisor, cl)
+            gx = torch.ops.aten.convolution_backward(
+                d, x, w, None, stride, padding, dilation, False, [0, 0], 1, [True, False, False]
+            )[0]
+        return gx, gw, gb, *rest
     # d loss / d (conv + bias): the mask backward of the elementwise op.
     d = _library.backward_op(gy, mask, "div_leaky_relu", slope, divisor, cl)
-    if fused_w:  # only the input gradient left
-        gx = torch.ops.aten.convolution_backward(
-            d, x, w, None, stride, padding, dilation, False, [0, 0], 1, [True, False, False]
-        )[0]
-        return gx, gw, gb, *rest
     out_mask = [need[0], need[1], with_bias]
     gx, gw, gb = torch.ops.aten.convolution_backward(
         d, x, w, ctx.bias, stride, padding, dilation, False, [0, 0], 1, out_mask
@@ -237,6 +291,28 @@ def _wgrad_fits(x: Tensor, w: Tensor, stride, padding, dilation, tf32: bool) -> 
 # several chunks 0.9-1.7x (scripts/wgrad_bench.py, docs/performance-notes.md).
 # True: wherever the kernel fits. False: never.
 FUSED_WGRAD: bool | None = None
+
+
+def _dgrad_fits(x: Tensor, w: Tensor, stride, padding, dilation, tf32: bool) -> bool:
+    """Whether the fused input-gradient kernel takes this geometry, per
+    ``FUSED_DGRAD``."""
+    if FUSED_DGRAD is False:
+        return False
+    g = _conv.geometry(FNAME, x.shape, w.shape, stride, padding, dilation)
+    n_passes = _conv.passes(_impl.DTYPE_NAMES[x.dtype], "tf32" if tf32 else "fp32")
+    if not _conv.dgrad_fits(g, n_passes):
+        return False
+    return FUSED_DGRAD is True or _conv.dgrad_groups(g) == 1
+
+
+# The fused input gradient (cuda/conv2d_dgrad.cu, 3 x 3 filters, stride 1,
+# dilation 1, padding <= 2). None (the default): where it measures faster than
+# the mask backward + cuDNN's data gradient, that is where one group of 8
+# input channels holds them all (each group reads dy again). H100, input
+# gradient alone: seed shape (8 channels) 0.31-0.56x float32, 0.57-0.92x
+# 16-bit; 16 channels 0.96-1.29x, 64 channels 2.0-3.2x (scripts/wgrad_bench.py
+# --grad x, docs/performance-notes.md). True: wherever it fits. False: never.
+FUSED_DGRAD: bool | None = None
 
 
 fused_op.register_autograd(_backward, setup_context=_setup)
