@@ -1,6 +1,7 @@
 // conv2d_dgrad.cu: the fused convolution block's input gradient, read once
 // from the upstream gradient and the forward's 1-bit mask (dz never goes to
-// memory). 3 x 3 filters, stride 1, dilation 1, any zero padding.
+// memory). 3 x 3 filters, stride 1, dilation 1, zero padding up to 2
+// (_conv.dgrad_fits).
 //
 //   conv2d_dgrad_kernel<T, kPasses, kChannelsLast>      (grid: blocks x groups of 8 input channels)
 //     dx[n][ci][ih][iw] = sum over co, r, s of dz[n][co][oh][ow] * w[co][ci][r][s],
@@ -137,8 +138,8 @@ __global__ void __launch_bounds__(kConvThreads, 3) conv2d_dgrad_kernel(const Con
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
       const int co = kk * 8 + (kChannelsLast ? 2 * lt + q : lt + 4 * q);
-      const float v =
-          co < p.cout && ci < p.cin ? Num<T>::to_op(w[((long long)co * p.cin + ci) * 9 + tap]) : 0.f;
+      const bool ok = co < p.cout && ci < p.cin;
+      const float v = ok ? Num<T>::to_op(w[((long long)co * p.cin + ci) * 9 + tap]) : 0.f;
       put_split<kPasses>(ws, 2 * i + q, part, v);
     }
   }
@@ -280,7 +281,8 @@ __global__ void __launch_bounds__(kConvThreads, 3) conv2d_dgrad_kernel(const Con
           }
         }
       }
-      preloaded = kPasses == 3 && (unsigned)oh < (unsigned)p.oh && oh + 1 <= oh_last && oh + 1 < p.oh;
+      preloaded =
+          kPasses == 3 && (unsigned)oh < (unsigned)p.oh && oh + 1 <= oh_last && oh + 1 < p.oh;
       const int ih = oh - p.ph;  // complete now (r = 0 was its last term)
       float(&done)[2][3][4] = acc[U];
       if (ih >= ih_a) {
@@ -292,7 +294,8 @@ __global__ void __launch_bounds__(kConvThreads, 3) conv2d_dgrad_kernel(const Con
             const int pos = kChannelsLast ? warp * 32 + i * 16 + g + 8 * (q >> 1)
                                           : warp * 32 + i * 16 + 2 * g + (q >> 1);
 #pragma unroll
-            for (int s = 0; s < 3; ++s) rs[pos * kDgradRS + s * 8 + 2 * t + (q & 1)] = done[i][s][q];
+            for (int s = 0; s < 3; ++s)
+              rs[pos * kDgradRS + s * 8 + 2 * t + (q & 1)] = done[i][s][q];
           }
         __syncthreads();
         // dx[ih][iw][ci] = sum over s (in order) of R[iw + pw - s][s][ci],
