@@ -18,7 +18,13 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("cupy")
 
 from test_conv import DIVISOR, EPS, FUSED_KINDS, SLOPE, _layout, _xwb  # noqa: E402
-from test_conv_wgrad import _assert_close, _count_calls, _forward, assert_within  # noqa: E402
+from test_conv_wgrad import (  # noqa: E402
+    _assert_close,
+    _count_calls,
+    _forward,
+    assert_within,
+    block_inputs,
+)
 
 import cupy_act.torch as ct  # noqa: E402
 from cupy_act import _conv, testing  # noqa: E402
@@ -143,15 +149,11 @@ def dgrad_bound(dz, w, x_shape, spd, dtype, tf32):
 
 
 def _inputs(xs, ws, stride, padding, dilation, dtype, algorithm, cl, seed):
-    """x, w, the fused forward's mask and spd, an upstream gradient, dz."""
-    tf32 = algorithm == "fused_tf32"
-    x, w, b = _xwb(xs, ws, "cuda", dtype, seed=seed)
-    x, w = _layout(x, cl), _layout(w, cl)
-    y, mask, spd = _forward(x, w, b, stride, padding, dilation, tf32)
-    g = torch.Generator(y.device).manual_seed(20_000 + seed)
-    gy = _layout(torch.randn(y.shape, generator=g, device=y.device, dtype=dtype), cl)
-    dz = _library.backward_op(gy, mask, "div_leaky_relu", SLOPE, DIVISOR, _impl.is_channels_last(y))
-    return x, w, mask, spd, gy, dz, tf32
+    """x, w, the fused forward's mask and spd, an upstream gradient, dz, tf32."""
+    x, w, _, mask, spd, gy, dz = block_inputs(
+        xs, ws, stride, padding, dilation, dtype, algorithm, cl, seed, 20_000 + seed
+    )
+    return x, w, mask, spd, gy, dz, algorithm == "fused_tf32"
 
 
 def _dgrad(gy, mask, w, x, spd, tf32):

@@ -115,16 +115,27 @@ def wgrad_bound(x, dz, w_shape, spd, dtype, tf32):
     return (gw, tol_w), (gb, tol_b)
 
 
-def _check_accuracy(xs, ws, stride, padding, dilation, dtype, algorithm, cl, seed):
+def block_inputs(xs, ws, stride, padding, dilation, dtype, algorithm, cl, seed, gy_seed):
+    """x, w, b (seeded), the fused forward's mask and (stride, padding,
+    dilation), an upstream gradient from generator seed ``gy_seed`` and dz
+    (the mask backward), for the gradient kernels' accuracy tests."""
     tf32 = algorithm == "fused_tf32"
     x, w, b = _xwb(xs, ws, "cuda", dtype, seed=seed)
     x, w = _layout(x, cl), _layout(w, cl)
     y, mask, spd = _forward(x, w, b, stride, padding, dilation, tf32)
     # gy from its own stream (not the order of the tests; not _xwb's, whose
     # values it would repeat: x and dy correlated, sums past float16's range)
-    g = torch.Generator(y.device).manual_seed(10_000 + seed)
+    g = torch.Generator(y.device).manual_seed(gy_seed)
     gy = _layout(torch.randn(y.shape, generator=g, device=y.device, dtype=dtype), cl)
     dz = _library.backward_op(gy, mask, "div_leaky_relu", SLOPE, DIVISOR, _impl.is_channels_last(y))
+    return x, w, b, mask, spd, gy, dz
+
+
+def _check_accuracy(xs, ws, stride, padding, dilation, dtype, algorithm, cl, seed):
+    tf32 = algorithm == "fused_tf32"
+    x, w, b, mask, spd, gy, dz = block_inputs(
+        xs, ws, stride, padding, dilation, dtype, algorithm, cl, seed, 10_000 + seed
+    )
     gw, gb = conv.fused_wgrad(x, gy, mask, list(w.shape), True, DIVISOR, SLOPE, *spd, tf32)
     assert gw.shape == w.shape and gw.dtype == dtype and gb.shape == b.shape
     for ours, (ref, tol) in zip((gw, gb), wgrad_bound(x, dz, w.shape, spd, dtype, tf32)):
