@@ -36,48 +36,72 @@
 // rounds to inf.
 //
 // Epilogue. The tile goes through shared memory so that each lane then holds
-// 4 consecutive output elements (of one channel's row for NCHW, of one
-// position's channels for NHWC): loads from shared memory and stores are 16
-// bytes wide where alignment allows. The value is rounded to T (the
-// convolution's output), then bias, division and LeakyReLU are the
-// elementwise op's own functor and add_bias, so they round exactly as eager
-// PyTorch's separate ops do.
+// 16 output elements of one line (a channel's positions for NCHW, a
+// position's channels for NHWC) in runs of 4 consecutive ones: four 16-byte
+// shared loads, stores as wide as alignment allows, and the per-line work
+// (address, bias, mask) shared by 16 elements. The value is
+// rounded to T (the convolution's output), then bias, division and LeakyReLU
+// are the elementwise op's own functor and add_bias, so they round exactly as
+// eager PyTorch's separate ops do.
 //
 // Mask: the format of elementwise.cu (bit i % 32 of word i / 32 is element i,
 // in the output's memory order). The buffer is zeroed before the launch.
 // The bits of one output row (NCHW) or position (NHWC) of the tile are
-// consecutive elements: a word they cover entirely is stored, the words at
-// either end are OR-ed in atomically, since a neighbour owns their other bits.
+// consecutive elements, held 16 per lane by a group of lanes: a word they
+// cover entirely is stored, the words at either end are OR-ed in atomically,
+// since a neighbour owns their other bits (put_mask_word).
 #include "conv2d_tiles.cuh"
 #include "params.cuh"
 #include "activations.cuh"
 
 namespace cupy_act {
 
-// The mask words of elements [e, e + len), consecutive: bits 32k .. 32k + 31
-// of the stream (bit i is element e + i) are the word `w` of lanes 8 * (first
-// + k) (see gather_word), count words in all; invalid elements' bits are 0.
-// Lane j writes word (e >> 5) + j: stored if the elements cover all of it,
-// else OR-ed in atomically (a neighbouring warp or block owns its other
-// bits; the buffer starts zeroed, so zero words are skipped). Warp-uniform.
-__device__ __forceinline__ void write_mask(u32* mask, int lane, long long e, int len, u32 w,
-                                           int first, int count) {
-  // word j = (bits[j] << sh) | (bits[j - 1] >> (32 - sh)), bits[-1] = bits[count] = 0
-  u32 hi = __shfl_sync(0xffffffffu, w, (8 * (first + lane)) & 31);
-  u32 lo = __shfl_sync(0xffffffffu, w, (8 * (first + lane - 1)) & 31);
-  if (len <= 0) return;
-  if (lane >= count) hi = 0;
-  if (lane == 0 || lane > count) lo = 0;
-  const int sh = (int)(e & 31);
+// One lane's part in writing the mask words of a stretch of consecutive
+// output elements [e, e + len) (in general not word-aligned), whose bits a
+// group of lanes holds: after tile_word4x4 or tile_word2x8, tile word m (32
+// bits) is in lane lane0 + stride m. The stretch is tile words first .. first
+// + count - 1 and takes up to count + 1 output words; this lane writes output
+// word k of it (from tile words first + k and the one before). See
+// put_mask_word.
+struct MaskLane {
+  int k;               // output word (e >> 5) + k
+  int src_hi, src_lo;  // the lanes holding tile words first + k, first + k - 1
+  bool use_hi, use_lo;
+};
+
+__device__ __forceinline__ MaskLane mask_lane(int lane0, int stride, int first, int count, int k,
+                                              bool ok) {
+  MaskLane m;
+  m.k = k;
+  const int last = first + count - 1;
+  m.src_hi = lane0 + stride * min(first + k, last);
+  m.src_lo = lane0 + stride * max(min(first + k - 1, last), first);
+  m.use_hi = ok && k < count;
+  m.use_lo = ok && k >= 1 && k <= count;
+  return m;
+}
+
+// Every lane of the warp calls it (shuffles), with the tile word its group
+// left in it (tile_word4x4, tile_word2x8) and its MaskLane. A word the stretch covers entirely is
+// stored, the words at either end are OR-ed in atomically (a neighbouring
+// warp or block owns their other bits; the buffer starts zeroed, so zero
+// words are skipped).
+__device__ __forceinline__ void put_mask_word(u32* mask, u32 word, const MaskLane& m,
+                                              long long e, int len) {
+  u32 hi = __shfl_sync(0xffffffffu, word, m.src_hi);
+  u32 lo = __shfl_sync(0xffffffffu, word, m.src_lo);
+  if (!m.use_hi) hi = 0u;
+  if (!m.use_lo) lo = 0u;
+  // output word k = (tile word k << sh) | (tile word k - 1 >> (32 - sh))
+  const u32 out = __funnelshift_l(lo, hi, (int)(e & 31));
   const long long w0 = e >> 5;
   const int words = (int)(((e + len - 1) >> 5) - w0) + 1;
-  const u32 word = __funnelshift_l(lo, hi, sh);
-  if (lane >= words || word == 0u) return;
-  const long long wi = w0 + lane;
+  if (len <= 0 || m.k >= words || out == 0u) return;
+  const long long wi = w0 + m.k;
   if ((wi << 5) >= e && ((wi + 1) << 5) <= e + len)
-    mask[wi] = word;
+    mask[wi] = out;
   else
-    atomicOr(mask + wi, word);
+    atomicOr(mask + wi, out);
 }
 
 // acc += a * b over one depth step of 8 ([0] big, [1] small parts): big *
@@ -101,59 +125,100 @@ __device__ __forceinline__ void mma_step(float (&acc)[4][4][4], const u32 (&a)[2
     for (int j = 0; j < 4; ++j) mma_tf32(acc[i][j], a[0][i], b[0][j]);
 }
 
-// The epilogue of 4 consecutive output elements at dst, of which the first
-// `valid` exist: round to T, add the channel's bias (bias[co + j] for a run
-// of channels when kPerChannel, else bias[co]), then op.forward. Stores as
-// wide as e's alignment allows; returns the 4 mask bits (element j: bit j).
-template <bool kPerChannel, typename T, typename Op>
-__device__ __forceinline__ u32 store4_(T* dst, const float4& v4, int valid, const Op& op,
-                                       const T* bias, int co, typename Num<T>::op_t alpha) {
-  const float in[4] = {v4.x, v4.y, v4.z, v4.w};
-  union {
-    T e[4];
-    u32 w[sizeof(T)];  // the same 4 * sizeof(T) bytes as words
-  } out;
+// The epilogue of N consecutive output values: round to T, add the bias b[j]
+// (if `has_bias`), then op.forward; bit j of the result is element j's mask
+// bit. Branch-free: the caller masks the bits of elements that do not exist
+// and does not store them.
+template <int N, typename T, typename Op>
+__device__ __forceinline__ u32 epilogue(const float (&in)[N], const Op& op, bool has_bias,
+                                        const T (&b)[N], typename Num<T>::op_t alpha,
+                                        T (&out)[N]) {
   u32 bits = 0;
-  T b = Num<T>::zero();
-  if (bias && !kPerChannel && valid > 0) b = bias[co];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
+  for (int j = 0; j < N; ++j) {
     T v = Num<T>::from_op(in[j]);
-    if (bias && j < valid) v = add_bias(v, kPerChannel ? bias[co + j] : b, alpha);
+    if (has_bias) v = add_bias(v, b[j], alpha);
     bool bit;
-    out.e[j] = op.forward(v, bit);
-    bits |= (u32)(bit && j < valid) << j;
-  }
-  const u64 at = (u64)dst;
-  if (valid == 4 && (at & (4 * sizeof(T) - 1)) == 0) {  // one 4-element store
-    if (sizeof(T) == 4)
-      *reinterpret_cast<uint4*>(dst) = make_uint4(out.w[0], out.w[1], out.w[2], out.w[3]);
-    else
-      *reinterpret_cast<uint2*>(dst) = make_uint2(out.w[0], out.w[1]);
-  } else if (valid == 4 && (at & (2 * sizeof(T) - 1)) == 0) {  // two 2-element stores
-    if (sizeof(T) == 4) {
-      reinterpret_cast<uint2*>(dst)[0] = make_uint2(out.w[0], out.w[1]);
-      reinterpret_cast<uint2*>(dst)[1] = make_uint2(out.w[2], out.w[3]);
-    } else {
-      reinterpret_cast<u32*>(dst)[0] = out.w[0];
-      reinterpret_cast<u32*>(dst)[1] = out.w[1];
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      if (j < valid) dst[j] = out.e[j];
+    out[j] = op.forward(v, bit);
+    bits |= (u32)bit << j;
   }
   return bits;
 }
 
-// The 32-bit mask words of a warp's 128 consecutive bits, 4 per lane in lane
-// order (lane l holds bits 4l .. 4l + 3 in `nib`): lane l gets word l / 8.
-__device__ __forceinline__ u32 gather_word(u32 nib, int lane) {
-  u32 w = nib << (4 * (lane & 7));
-  w |= __shfl_xor_sync(0xffffffffu, w, 1);
-  w |= __shfl_xor_sync(0xffffffffu, w, 2);
-  w |= __shfl_xor_sync(0xffffffffu, w, 4);
-  return w;
+// The first `valid` of N consecutive elements (N a multiple of 4) to dst:
+// 4-element vector stores where all N exist and dst is aligned to 4
+// elements, 2-element ones where it is aligned to 2, else one by one.
+template <int N, typename T>
+__device__ __forceinline__ void store_n(T* dst, const T (&e)[N], int valid) {
+  static_assert(N % 4 == 0, "whole vectors");
+  union {
+    T e[N];
+    u32 w[N * sizeof(T) / 4];
+  } out;
+#pragma unroll
+  for (int j = 0; j < N; ++j) out.e[j] = e[j];
+  const u64 at = (u64)dst;
+  if (valid == N && (at & (4 * sizeof(T) - 1)) == 0) {
+#pragma unroll
+    for (int v = 0; v < N / 4; ++v) {
+      const u32* w = out.w + v * sizeof(T);
+      if (sizeof(T) == 4)
+        reinterpret_cast<uint4*>(dst)[v] = make_uint4(w[0], w[1], w[2], w[3]);
+      else
+        reinterpret_cast<uint2*>(dst)[v] = make_uint2(w[0], w[1]);
+    }
+  } else if (valid == N && (at & (2 * sizeof(T) - 1)) == 0) {
+#pragma unroll
+    for (int v = 0; v < N / 2; ++v) {
+      const u32* w = out.w + v * sizeof(T) / 2;
+      if (sizeof(T) == 4)
+        reinterpret_cast<uint2*>(dst)[v] = make_uint2(w[0], w[1]);
+      else
+        reinterpret_cast<u32*>(dst)[v] = w[0];
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+      if (j < valid) dst[j] = out.e[j];
+  }
+}
+
+// v in a register that ptxas cannot refill from the parameter bank: left to
+// itself it reloads a scalar parameter before each of its uses in the
+// epilogue (one more instruction per element). ANDed with the active mask,
+// all ones where the whole warp calls it (every lane must), v is unchanged,
+// but ptxas cannot tell.
+__device__ __forceinline__ u64 in_register(u64 v) {
+  const u32 all = __activemask();
+  return (u64)((u32)(v >> 32) & all) << 32 | ((u32)v & all);
+}
+
+// The two tile words of a group of 8 lanes, lane j holding bits 4j .. 4j +
+// 3 of tile word u in nib[u] (u = 0, 1): lanes 0-3 of the group get word 0,
+// lanes 4-7 word 1. An exchange with lane j ^ 4 (each keeps one word), then
+// sums over lanes j ^ 2 and j ^ 1.
+__device__ __forceinline__ u32 tile_word2x8(const u32 (&nib)[2], int j) {
+  const u32 x0 = nib[0] << (4 * j), x1 = nib[1] << (4 * j);
+  const bool up = j & 4;
+  u32 z = (up ? x1 : x0) | __shfl_xor_sync(0xffffffffu, up ? x0 : x1, 4);
+  z |= __shfl_xor_sync(0xffffffffu, z, 2);
+  return z | __shfl_xor_sync(0xffffffffu, z, 1);
+}
+
+// The tile words of a group of 8 lanes, lane j holding bits 4j .. 4j + 3 of
+// tile word u in nib[u] (u = 0 .. 3): lanes 2m and 2m + 1 get word m. Three
+// exchanges, each halving the words a lane carries: with lane j ^ 4 (lanes
+// j < 4 keep words 0 and 1, the others 2 and 3), with lane j ^ 2 (bit 1 of j
+// picks one of the two), with lane j ^ 1 (the last sum).
+__device__ __forceinline__ u32 tile_word4x4(const u32 (&nib)[4], int j) {
+  u32 x[4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u) x[u] = nib[u] << (4 * j);
+  const bool up = j & 4, odd = j & 2;
+  const u32 y0 = (up ? x[2] : x[0]) | __shfl_xor_sync(0xffffffffu, up ? x[0] : x[2], 4);
+  const u32 y1 = (up ? x[3] : x[1]) | __shfl_xor_sync(0xffffffffu, up ? x[1] : x[3], 4);
+  const u32 z = (odd ? y1 : y0) | __shfl_xor_sync(0xffffffffu, odd ? y0 : y1, 2);
+  return z | __shfl_xor_sync(0xffffffffu, z, 1);
 }
 
 // Blocks per SM the registers must allow (the shared memory plan in
@@ -210,16 +275,29 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
     }
   const u32 b_addr = (u32)__cvta_generic_to_shared(bs) + (t * kBS + wn * 32 + g) * 4;
 
-  Params ap;  // the elementwise functor's scalars
-  ap.slope = p.slope;
-  ap.scale = p.scale;
+  Params ap;  // the elementwise functor's scalars, in registers (see in_register)
+  ap.slope = in_register(p.slope);
+  ap.scale = in_register(p.scale);
   const DivLeakyRelu<T> op(ap);
-  const typename Num<T>::op_t alpha = scalar_from_bits<typename Num<T>::op_t>(p.alpha);
+  const typename Num<T>::op_t alpha = scalar_from_bits<typename Num<T>::op_t>(in_register(p.alpha));
   const T* bias = static_cast<const T*>(p.bias);
   T* y = static_cast<T*>(p.y);
   const long long out_plane = (long long)p.oh * p.ow;
   const int tiles = p.n * p.tiles_h * p.tiles_w;
   const int image = p.cin * p.h * p.w_in;  // < 2^31 (_conv.fits)
+
+  // NHWC epilogue: this lane's channels tile_n + 4 (lane % 8) + 32u + j (u =
+  // 0, 1; j = 0 .. 3), how many exist and their bias values, for every tile.
+  int valid_c[2];
+  T bias_c[2][4];
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const int co = tile_n + 4 * (lane & 7) + 32 * u;
+    valid_c[u] = max(0, min(4, p.cout - co));
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      bias_c[u][j] = kChannelsLast && bias && j < valid_c[u] ? bias[co + j] : Num<T>::zero();
+  }
 
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     // This tile's rectangle: image n, output rows oh0.., columns ow0..
@@ -294,61 +372,85 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
         }
     __syncthreads();
 
-    // ... then out: each lane takes 4 consecutive elements of a line of the
-    // tile (one 16-byte shared load), a line being one channel's 128
-    // positions (NCHW: R rows of C) or, per half-warp, one position's 64
-    // channels (NHWC). Values round to T, then bias, division and LeakyReLU
-    // (the elementwise functor); stores are as wide as alignment allows.
-    // Mask: each lane's 4 bits OR together across 8 lanes into the word of
-    // 32 consecutive elements, and write_mask places the words of each
-    // stretch of consecutive elements (an output row, a position).
-    const int lane4 = lane * 4;
+    // ... then out. Values round to T, then bias, division and LeakyReLU (the
+    // elementwise functor); stores are as wide as alignment allows.
     if (!kChannelsLast) {
-      const int row = lane4 >> p.c_log2, col = lane4 & (cols - 1);  // this lane's
-      const int valid = oh0 + row < p.oh ? max(0, min(4, p.ow - ow0 - col)) : 0;
-      // Element of channel tile_n, tile row 0, column 0; output rows of the
-      // tile inside the image and their valid columns (a stretch each).
+      // NCHW: a line is one channel's 128 tile positions (R rows of C). Each
+      // group of 8 lanes takes a line, lane j its positions 4j + 32u (u = 0
+      // .. 3, each run of 4 within one tile row: C >= 32), 4 lines per warp
+      // at a time: per u the group reads and writes 32 consecutive elements
+      // (shared loads without bank conflicts, whole sectors stored); one bias
+      // load per line. Mask: run u's 4 bits are bits 4j .. 4j + 3 of tile
+      // word u (tile_word4x4). Output row r of the line (elements e_r .. e_r +
+      // len - 1, not word-aligned) takes up to C / 32 + 1 words, so the
+      // group's 8 lanes cover all rows' words: lane j writes word k of row r
+      // (j = r (C / 32 + 1) + k), from tile words r C / 32 + k and the one
+      // before it.
+      const int grp = lane >> 3, j = lane & 7;
+      int off[4], valid[4];  // run u: its offset from the line's first element, its length
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int pos = 4 * j + 32 * u, row = pos >> p.c_log2, col = pos & (cols - 1);
+        off[u] = row * p.ow + col;
+        valid[u] = oh0 + row < p.oh ? max(0, min(4, p.ow - ow0 - col)) : 0;
+      }
       const long long e_tile =
           ((long long)n * p.cout + tile_n) * out_plane + (long long)oh0 * p.ow + ow0;
-      T* y_lane = y + e_tile + row * p.ow + col;
-      const int rows = min(kBM >> p.c_log2, p.oh - oh0), row_len = min(cols, p.ow - ow0);
-      const int per_row = cols >> 5;  // mask words per output row: 1, 2 or 4
+      const float* ct_lane = ct + grp * kCS + 4 * j;
+      const int wpr = cols >> 5;     // tile words per row: 1, 2 or 4
+      const int mr = j / (wpr + 1);  // the row whose mask word this lane writes
+      const MaskLane mlane = mask_lane(lane & ~7, 2, mr * wpr, wpr, j - mr * (wpr + 1),
+                                       mr < (kBM >> p.c_log2) && oh0 + mr < p.oh);
+      const int len = mlane.use_hi || mlane.use_lo ? min(cols, p.ow - ow0) : 0;
       const int lines = min(kBN, p.cout - tile_n);
-      for (int line = warp; line < lines; line += kConvThreads / 32) {
-        const float4 v4 = *reinterpret_cast<const float4*>(ct + line * kCS + lane4);
-        const u32 nib =
-            store4_<false>(y_lane + line * out_plane, v4, valid, op, bias, tile_n + line, alpha);
-        if (p.mask) {
-          const u32 word = gather_word(nib, lane);
-          const long long e_line = e_tile + line * out_plane;
-          for (int r = 0; r < rows; ++r)  // (rows <= 4: one stretch per output row)
-            write_mask(p.mask, lane, e_line + r * p.ow, row_len, word, r * per_row, per_row);
+      for (int l0 = warp * 4; l0 < lines; l0 += kConvThreads / 8) {
+        const int line = l0 + grp;  // (< kBN: the shared loads stay in the tile)
+        const bool line_ok = line < lines;
+        T b[4];
+        b[0] = b[1] = b[2] = b[3] = bias && line_ok ? bias[tile_n + line] : Num<T>::zero();
+        T* y_line = y + e_tile + line * out_plane;
+        u32 nib[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const float4 v4 = *reinterpret_cast<const float4*>(ct_lane + l0 * kCS + 32 * u);
+          const float in[4] = {v4.x, v4.y, v4.z, v4.w};
+          const int vu = line_ok ? valid[u] : 0;
+          T out[4];
+          nib[u] = epilogue(in, op, bias != nullptr, b, alpha, out) & ((1u << vu) - 1u);
+          store_n(y_line + off[u], out, vu);
         }
+        if (p.mask)  // row mr of the line
+          put_mask_word(p.mask, tile_word4x4(nib, j), mlane,
+                        e_tile + line * out_plane + mr * p.ow, line_ok ? len : 0);
       }
     } else {
-      const int half = lane >> 4, c4 = (lane & 15) * 4;  // position line + half, channels c4..
-      const int co = tile_n + c4;
-      const int valid = max(0, min(4, p.cout - co));
+      // NHWC: a line is one position's 64 channels. Each group of 8 lanes
+      // takes a position, lane c its channels 4c + 32u (u = 0, 1), 4
+      // positions per warp at a time: per u the group reads and writes 32
+      // consecutive elements (no bank conflicts, whole sectors stored). The
+      // lane's bias values stay in registers for every tile. Mask: the
+      // position's bits (channels tile_n ..) are tile words 0 and 1
+      // (tile_word2x8); its stretch takes up to 3 words: lane c writes word c.
+      const int pp = lane >> 3, c = lane & 7;
+      const float* ct_lane = ct + pp * kCSL + 4 * c;
+      const MaskLane mlane = mask_lane(lane & ~7, 4, 0, 2, c, true);
       const int len = max(0, min(kBN, p.cout - tile_n));
-      for (int line = warp * 2; line < kBM; line += kConvThreads / 16) {
-        const int ml = line + half;
+      for (int ml0 = warp * 4; ml0 < kBM; ml0 += kConvThreads / 8) {
+        const int ml = ml0 + pp;
         const int oh = oh0 + (ml >> p.c_log2), ow = ow0 + (ml & (cols - 1));
         const bool pos_ok = oh < p.oh && ow < p.ow;
-        const long long row = (((long long)n * p.oh + oh) * p.ow + ow) * p.cout;
-        const float4 v4 = *reinterpret_cast<const float4*>(ct + ml * kCSL + c4);
-        const u32 nib = store4_<true>(y + row + co, v4, pos_ok ? valid : 0, op, bias, co, alpha);
-        if (p.mask) {
-          const u32 word = gather_word(nib, lane);
-          // the two positions' stretches: words 0-1 and 2-3
-          const int ml0 = line, ml1 = line + 1;
-          const int oh_a = oh0 + (ml0 >> p.c_log2), ow_a = ow0 + (ml0 & (cols - 1));
-          const int oh_b = oh0 + (ml1 >> p.c_log2), ow_b = ow0 + (ml1 & (cols - 1));
-          const bool ok_a = oh_a < p.oh && ow_a < p.ow, ok_b = oh_b < p.oh && ow_b < p.ow;
-          write_mask(p.mask, lane, (((long long)n * p.oh + oh_a) * p.ow + ow_a) * p.cout + tile_n,
-                     ok_a ? len : 0, word, 0, 2);
-          write_mask(p.mask, lane, (((long long)n * p.oh + oh_b) * p.ow + ow_b) * p.cout + tile_n,
-                     ok_b ? len : 0, word, 2, 2);
+        const long long e = (((long long)n * p.oh + oh) * p.ow + ow) * p.cout + tile_n;
+        u32 nib[2];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const float4 v4 = *reinterpret_cast<const float4*>(ct_lane + ml0 * kCSL + 32 * u);
+          const float in[4] = {v4.x, v4.y, v4.z, v4.w};
+          const int vu = pos_ok ? valid_c[u] : 0;
+          T out[4];
+          nib[u] = epilogue(in, op, bias != nullptr, bias_c[u], alpha, out) & ((1u << vu) - 1u);
+          store_n(y + e + 4 * c + 32 * u, out, vu);
         }
+        if (p.mask) put_mask_word(p.mask, tile_word2x8(nib, c), mlane, e, pos_ok ? len : 0);
       }
     }
   }

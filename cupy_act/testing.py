@@ -13,6 +13,7 @@ this.
 from __future__ import annotations
 
 import math
+import random
 import statistics
 
 import torch
@@ -223,13 +224,17 @@ def median_ms(fn, iters: int = 20, warmup: int = 3, reps: int = 1) -> float:
 def interleaved_median_ms(fns: dict, rounds: int = 9, warmup: int = 2) -> dict:
     """{name: median CUDA-event ms} of each ``fns[name]()``, timed in turn round
     after round, so that a drift of the clocks or of the machine's load hits
-    every candidate alike; ``warmup`` untimed calls of each first."""
+    every candidate alike; each round in an order of its own (shuffled from
+    a fixed seed: the same every call), so that no candidate always follows
+    the same one (what ran just before can slow a call: clocks lowered by a
+    heavy kernel, a cache left cold); ``warmup`` untimed calls of each first."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     events: dict = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    items = list(fns.items())
+    for r in range(rounds):
+        for name, fn in random.Random(r).sample(items, len(items)):
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()

@@ -76,6 +76,18 @@ def saved_mb(fn) -> float:
     return testing.nbytes(sizes) / 1e6
 
 
+def picked(shape) -> list[str]:
+    """What "auto" chose at ``shape``: "fwd: ..." without a gradient, else per
+    set of inputs that needed one ("x+w+b: ...")."""
+    out = []
+    for key, choice in ct.conv.auto_choices().items():
+        if key[2] == shape:
+            grads = key[-1]
+            what = "+".join(n for n, g in zip("xwb", grads) if g) if grads else "fwd"
+            out.append(f"{what}: {choice}")
+    return out
+
+
 def run_shape(name, shape, args) -> list[dict]:
     n, cin, h, wd, cout, k, stride, pad = shape
     torch.manual_seed(0)
@@ -128,7 +140,7 @@ def run_shape(name, shape, args) -> list[dict]:
         row.update(w_fwd_bwd_ms=fbw, w_bwd_ms=bw)
         row.update(x_floor=fwd / floor_ms, saved_mb=saved, floor_ms=floor_ms)
         if impl == "auto":
-            row["picked"] = [v for k2, v in ct.conv.auto_choices().items() if k2[2] == x0.shape]
+            row["picked"] = picked(x0.shape)
         rows.append(row)
         print(
             f"  {name:7s} {impl:20s} fwd {fwd:7.3f} ms ({fwd / floor_ms:5.2f}x floor)  "

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python scripts/wgrad_probe.py [--dtypes float32 float16]
         [--layouts nchw nhwc] [--algorithm fused] [--repeats 2]
-        [--variants kernel "no dy" "no dy, x"] [--base DIR] [--forward]
+        [--variants kernel "no dy" "no dy, x"] [--base DIR] [--forward | --only-forward]
 
 Nsight Compute's duration (``ncu`` must be on PATH; it locks the clocks, so
 the figures compare across variants on a noisy host) of one launch of
@@ -20,7 +20,8 @@ for copies of it with parts of the memory traffic taken out:
 The gaps bound what hiding those loads behind the MMAs can gain; what is left
 is the kernel's instruction-bound part (forming dz, splitting, the MMA loop).
 --forward adds the forward kernel (``conv2d_kernel``, same shape) for this
-version and the base. Rows repeat ``--repeats`` times, variants interleaved.
+version and the base; --only-forward times that alone. Rows repeat
+``--repeats`` times, variants interleaved.
 """
 
 from __future__ import annotations
@@ -137,6 +138,7 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--base", type=Path, help="another version's cupy_act/ and cuda/")
     ap.add_argument("--forward", action="store_true", help="also the forward kernel")
+    ap.add_argument("--only-forward", action="store_true", help="the forward kernel alone")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -148,8 +150,10 @@ def main() -> None:
             dirs["base"] = args.base.resolve()
         for i, name in enumerate(args.variants):
             dirs[name] = make_copy(VARIANTS[name], Path(tmp) / str(i))
-        table(f"conv2d_wgrad_kernel, {args.algorithm}", dirs, "conv2d_wgrad_kernel", "wgrad", args)
-        if args.forward:
+        if not args.only_forward:
+            table(f"conv2d_wgrad_kernel, {args.algorithm}", dirs, "conv2d_wgrad_kernel", "wgrad",
+                  args)  # fmt: skip
+        if args.forward or args.only_forward:
             fwd = {k: v for k, v in dirs.items() if k in ("base", "kernel")}
             table(
                 f"conv2d_kernel (forward), {args.algorithm}", fwd, "conv2d_kernel", "forward", args

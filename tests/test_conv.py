@@ -365,12 +365,16 @@ def _fused_with_mask(x, w, b, stride=1, padding=0, dilation=1, tf32=False):
         ((1, 2, 5, 5), (70, 2, 3, 3), 0),  # plane 9 < 32: every run is broken
         ((4, 8, 32, 32), (64, 8, 3, 3), 1),  # aligned: whole words
         ((2, 8, 130, 3), (96, 8, 1, 1), 0),  # two column tiles
+        ((2, 3, 41, 50), (9, 3, 3, 3), 0),  # 2 x 64 tiles, the last one row short
+        ((1, 4, 7, 130), (70, 4, 3, 3), 1),  # 1 x 128 tiles, 2 across, 2 channel tiles
+        ((2, 2, 5, 100), (5, 2, 3, 3), 0),  # rows of 98 in 128-column tiles
     ],
 )
-def test_mask_decodes_to_the_backward_bits(xs, ws, padding, cl):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mask_decodes_to_the_backward_bits(xs, ws, padding, cl, dtype):
     """The mask bit is set exactly where the output is > 0 (slope > 0), in the
     output's memory order, and the bits past the end are 0."""
-    x, w, b = _xwb(xs, ws, "cuda")
+    x, w, b = _xwb(xs, ws, "cuda", dtype)
     x, w = _layout(x, cl), _layout(w, cl)
     y, mask = _fused_with_mask(x, w, b, 1, padding)
     cl_out = _impl.is_channels_last(y)
@@ -464,6 +468,40 @@ def test_fused_in_a_cuda_graph():
     assert not torch.equal(out, eager)
 
 
+def test_interleaved_timing_rotates_the_order(monkeypatch):
+    """Each round in an order of its own: no candidate always follows the
+    same one (what ran before can slow a call), each is timed once per
+    round, and the orders are the same from call to call. (Events faked:
+    runs without a GPU.)"""
+    calls = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            pass
+
+        def record(self):
+            self.at = len(calls)
+
+        def elapsed_time(self, other):
+            return float(other.at - self.at)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    names = ["a", "b", "c"]
+    times = testing.interleaved_median_ms({n: functools.partial(calls.append, n) for n in names},
+                                          rounds=6, warmup=1)  # fmt: skip
+    assert times == {n: 1.0 for n in names}
+    timed = calls[len(names) :]
+    rounds = [timed[i : i + 3] for i in range(0, len(timed), 3)]
+    assert all(sorted(r) == names for r in rounds)
+    before = {n: {r[r.index(n) - 1] for r in rounds if r[0] != n} for n in names}
+    assert all(before[n] == set(names) - {n} for n in names), before
+    calls.clear()
+    testing.interleaved_median_ms({n: functools.partial(calls.append, n) for n in names},
+                                  rounds=6, warmup=1)  # fmt: skip
+    assert calls[len(names) :] == timed
+
+
 @gpu
 def test_auto_picks_a_candidate_and_caches_it():
     x, w, b = _xwb((4, 8, 32, 32), (16, 8, 3, 3), "cuda")
@@ -495,8 +533,9 @@ def test_auto_times_forward_and_backward_when_training():
     assert torch.equal(torch.cuda.get_rng_state(), state)
     assert w.grad is None and b.grad is None
     entries = {k[-1]: v for k, v in conv.auto_choices().items() if k[2] == tuple(x.shape)}
-    assert set(entries) == {True}, entries  # (keyed by training)
-    picked = entries[True]
+    # keyed by which of (x, weight, bias) need a gradient
+    assert set(entries) == {(False, True, True)}, entries
+    picked = entries[(False, True, True)]
     assert picked in conv.candidates(torch.float32, False)
     gy = torch.randn_like(y)
     y.backward(gy)
@@ -508,8 +547,11 @@ def test_auto_times_forward_and_backward_when_training():
     testing.assert_bits_equal(b.grad, b2.grad)
     with torch.no_grad():
         ct.conv2d_div_leaky_relu(x, w, b, algorithm="auto")
+    # x needing a gradient too is a choice of its own (the input gradient's
+    # kernels join the backward)
+    ct.conv2d_div_leaky_relu(x.requires_grad_(), w, b, algorithm="auto")
     entries = {k[-1] for k in conv.auto_choices() if k[2] == tuple(x.shape)}
-    assert entries == {True, False}
+    assert entries == {None, (False, True, True), (True, True, True)}, entries
 
 
 @gpu

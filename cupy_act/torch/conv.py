@@ -14,8 +14,9 @@ with a choice of algorithm.
   accuracy); the same as ``"fused"`` for 16-bit types.
 - ``"auto"``: the fastest of the above for this shape and device, timed on
   first use and cached, among those whose accuracy ``allow_tf32`` permits;
-  where the call needs a gradient, the fastest forward + backward (timed on
-  detached views: the caller's gradients and random state are not touched).
+  where the call needs a gradient, the fastest forward + backward for the
+  inputs that need one (each such set cached apart; timed on detached
+  views: the caller's gradients and random state are not touched).
 
 Where the fused kernel does not apply (CPU tensors, float64, a padding string
 it cannot express, an image beyond 2^31 elements) ``"fused"`` falls back to
@@ -396,13 +397,13 @@ def conv2d_div_leaky_relu(
     """
     _check(input, weight, bias, divisor, negative_slope, algorithm)
     pad = _padding(padding, weight, dilation, stride)
-    needs_grad = torch.is_grad_enabled() and (
-        input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    )
+    # which of (input, weight, bias) ask for a gradient (wanted only in grad mode)
+    grads = (input.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+    needs_grad = torch.is_grad_enabled() and any(grads)
     if algorithm == "auto":
         algorithm = _choose(
             input, weight, bias, divisor, negative_slope, stride, pad, dilation, padding,
-            allow_tf32, needs_grad,
+            allow_tf32, grads if needs_grad else None,
         )  # fmt: skip
     tf32 = algorithm == "fused_tf32"
     if algorithm.startswith("fused") and _fusable(input, weight, pad, stride, dilation, tf32):
@@ -504,11 +505,13 @@ def candidates(dtype: torch.dtype, allow_tf32: bool) -> tuple[str, ...]:
 
 
 def _choose(
-    x, weight, bias, divisor, slope, stride, pad, dilation, padding, allow_tf32, training
+    x, weight, bias, divisor, slope, stride, pad, dilation, padding, allow_tf32, grads
 ) -> str:
     """The cached or newly measured fastest candidate for this call's shape:
-    forward alone, or where ``training`` (the call needs a gradient) forward
-    and backward for the inputs that need one."""
+    forward alone (``grads`` None), or forward and backward for the inputs
+    that need a gradient (``grads``: which of x, weight, bias; each set is a
+    choice of its own, since the backward's kernels differ: a first layer,
+    whose x needs none, skips the input gradient)."""
     if not x.is_cuda:
         return "exact"
     key = (
@@ -523,7 +526,7 @@ def _choose(
         str(dilation),
         allow_tf32,
         torch.backends.cudnn.allow_tf32,
-        training,
+        grads,
     )
     choice = _choices.get(key)
     if choice is not None:
@@ -536,7 +539,7 @@ def _choose(
     if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return "fused" if fusable["fused"] else "exact"
     names = [a for a in candidates(x.dtype, allow_tf32) if fusable.get(a, True)]
-    if training:
+    if grads is not None:
         times = testing.interleaved_median_ms(
             {a: _training_step(x, weight, bias, divisor, slope, stride, padding, dilation, a)
              for a in names}
