@@ -205,12 +205,86 @@ __device__ __forceinline__ void build_koff(int* koff, const ConvParams& p, int t
   }
 }
 
+// put_split where `pred` (predicated stores: no branch).
+template <int kPasses>
+__device__ __forceinline__ void put_split_if(u32* dst, int e, float x, bool pred) {
+  u32 big, small;
+  split<kPasses>(x, big, small);
+  const u32 addr = (u32)__cvta_generic_to_shared(dst + e);
+  asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q st.shared.u32 [%0], %1;\n}"
+               :: "r"(addr), "r"(big), "r"((int)pred));
+  if (kPasses == 3)
+    asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q st.shared.u32 [%0+%3], %1;\n}"
+                 :: "r"(addr), "r"(small), "r"((int)pred), "n"(kPatchPart * 4));
+}
+
+// The patch row slot of logical row l (0 <= l < PH) of a tile whose first
+// row sits in slot `base` (a ring of PH rows per channel; base 0: row l in slot l).
+__device__ __forceinline__ int ring_slot(int base, int l, int ph) {
+  const int s = base + l;
+  return s >= ph ? s - ph : s;
+}
+
+// load_patch's NCHW case for the weight gradient, logical rows l0 .. l0 + nr
+// - 1 of each channel (the others are still in the ring from the previous
+// tile), row l into slot ring_slot(base, l). The block's threads walk
+// (row, 4-column group) items kBatch at a time, all loads of a batch issued
+// before any conversion; a thread's items advance by kConvThreads, (row,
+// group) carried forward without a division. vec: the rows' 4-element
+// vectors line up with the groups (w_in % 4 == 0, iw_base % 4 == 0, x
+// aligned), so a group inside the image is one vector load.
+template <typename T, int kPasses, int kBatch>
+__device__ __forceinline__ void load_patch_nchw(u32* patch, const ConvParams& p, const T* xn,
+                                                int c0, int ih_base, int iw_base, int tid,
+                                                bool vec, int l0, int nr, int base) {
+  const int groups = (p.patch_w + 3) >> 2;
+  const int rows = p.cc * nr;
+  const int step_row = kConvThreads / groups, step_group = kConvThreads - step_row * groups;
+  int row = tid / groups, group = tid - row * groups;
+  while (row < rows) {
+    float v[kBatch][4];
+    int it_dst[kBatch], it_pc[kBatch];  // the item's patch row (-1: none) and column
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int c = row / nr, l = l0 + row - c * nr, ih = ih_base + l;
+      it_dst[b] = row < rows ? c * p.patch_h + ring_slot(base, l, p.patch_h) : -1;
+      it_pc[b] = group * 4;
+      const int iw = iw_base + group * 4;
+      const bool row_ok = row < rows && (unsigned)ih < (unsigned)p.h && c0 + c < p.cin;
+      const T* src = xn + ((long long)(c0 + c) * p.h + ih) * p.w_in + iw;
+      // Both kinds of load, predicated: one vector inside the image, else
+      // the scalars that lie in it (no branch, no access outside the image).
+      const bool whole = vec && row_ok && iw >= 0 && iw + 3 < p.w_in;
+      T e[4];
+      ldg4_if(src, whole, e);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const T s = ldg_if(src + j, !whole && row_ok && (unsigned)(iw + j) < (unsigned)p.w_in);
+        v[b][j] = Num<T>::to_op(whole ? e[j] : s);
+      }
+      group += step_group;
+      row += step_row;
+      if (group >= groups) {
+        group -= groups;
+        ++row;
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      u32* dst = patch + max(it_dst[b], 0) * p.patch_w;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        put_split_if<kPasses>(dst, it_pc[b] + j, v[b][j], it_dst[b] >= 0 && it_pc[b] + j < p.patch_w);
+    }
+  }
+}
+
 // The input patch of channels [c0, c0 + cc) of image xn under the output
 // rectangle whose top-left input position is (ih_base, iw_base), zero outside
-// the image, split into shared memory. NCHW: a warp per (channel, row), lanes
-// along the row. NHWC: a warp per row, a lane per column reading that
-// column's cc channels, which lie together. Unrolled so that several loads
-// are in flight.
+// the image, split into shared memory. NCHW: load_patch_nchw, every row.
+// NHWC: a warp per row, a lane per column reading that column's cc
+// channels, which lie together (unrolled so that several loads are in
+// flight).
 template <typename T, int kPasses, bool kChannelsLast>
 __device__ __forceinline__ void load_patch(u32* patch, const ConvParams& p, const T* xn, int c0,
                                            int ih_base, int iw_base, int tid) {
@@ -236,36 +310,7 @@ __device__ __forceinline__ void load_patch(u32* patch, const ConvParams& p, cons
     // (w_in % 4 == 0 makes every image start as aligned as the first.)
     const bool vec =
         (p.w_in & 3) == 0 && (iw_base & 3) == 0 && ((u64)xn & (4 * sizeof(T) - 1)) == 0;
-    for (int row = warp; row < p.cc * p.patch_h; row += kConvThreads / 32) {
-      const int c = row / p.patch_h, ih = ih_base + row - c * p.patch_h;
-      const bool row_ok = (unsigned)ih < (unsigned)p.h && c0 + c < p.cin;
-      const T* src = xn + ((c0 + c) * p.h + ih) * p.w_in;
-      u32* dst = patch + row * p.patch_w;
-      if (vec) {
-        for (int pc = lane * 4; pc < p.patch_w; pc += 128) {
-          const int iw = iw_base + pc;
-          float v[4];
-          if (row_ok && iw >= 0 && iw + 3 < p.w_in) {
-            load4(src + iw, v);
-          } else {
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-              v[j] = row_ok && (unsigned)(iw + j) < (unsigned)p.w_in ? Num<T>::to_op(src[iw + j])
-                                                                     : 0.f;
-          }
-#pragma unroll
-          for (int j = 0; j < 4; ++j)
-            if (pc + j < p.patch_w) put_split<kPasses>(dst, pc + j, kPatchPart, v[j]);
-        }
-      } else {
-#pragma unroll 4
-        for (int pc = lane; pc < p.patch_w; pc += 32) {
-          const int iw = iw_base + pc;
-          const float v = row_ok && (unsigned)iw < (unsigned)p.w_in ? Num<T>::to_op(src[iw]) : 0.f;
-          put_split<kPasses>(dst, pc, kPatchPart, v);
-        }
-      }
-    }
+    load_patch_nchw<T, kPasses, 2>(patch, p, xn, c0, ih_base, iw_base, tid, vec, 0, p.patch_h, 0);
   }
 }
 

@@ -57,6 +57,11 @@ if has sanitizer; then
     tests/test_conv.py -k "mask_decodes or empty_batch or (accuracy and (case3- or case17-))" \
     > "$OUT/sanitizer_conv.log" 2>&1
   echo "sanitizer rc=$?" >> "$OUT/sanitizer_conv.log"
+  # the forward's epilogue tile in shared memory, read back by other warps
+  timeout 200 compute-sanitizer --tool racecheck --kernel-name kns=conv2d_kernel --error-exitcode 99 \
+    python3 -m pytest -q -p no:cacheprovider tests/test_conv.py -k "mask_decodes and float32" \
+    >> "$OUT/sanitizer_conv.log" 2>&1
+  echo "racecheck rc=$?" >> "$OUT/sanitizer_conv.log"
   # the fused weight gradient: partial tiles, both layouts, empty batch, many
   # splits, row rings over strides, dilations and image boundaries
   WG="(accuracy and (case3- or case17-)) or non_finite or empty or repeats or unaligned"

@@ -370,7 +370,7 @@ def _fused_with_mask(x, w, b, stride=1, padding=0, dilation=1, tf32=False):
         ((2, 2, 5, 100), (5, 2, 3, 3), 0),  # rows of 98 in 128-column tiles
     ],
 )
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_mask_decodes_to_the_backward_bits(xs, ws, padding, cl, dtype):
     """The mask bit is set exactly where the output is > 0 (slope > 0), in the
     output's memory order, and the bits past the end are 0."""
