@@ -125,26 +125,6 @@ __device__ __forceinline__ void mma_step(float (&acc)[4][4][4], const u32 (&a)[2
     for (int j = 0; j < 4; ++j) mma_tf32(acc[i][j], a[0][i], b[0][j]);
 }
 
-// The epilogue of N consecutive output values: round to T, add the bias b[j]
-// (if `has_bias`), then op.forward; bit j of the result is element j's mask
-// bit. Branch-free: the caller masks the bits of elements that do not exist
-// and does not store them.
-template <int N, typename T, typename Op>
-__device__ __forceinline__ u32 epilogue(const float (&in)[N], const Op& op, bool has_bias,
-                                        const T (&b)[N], typename Num<T>::op_t alpha,
-                                        T (&out)[N]) {
-  u32 bits = 0;
-#pragma unroll
-  for (int j = 0; j < N; ++j) {
-    T v = Num<T>::from_op(in[j]);
-    if (has_bias) v = add_bias(v, b[j], alpha);
-    bool bit;
-    out[j] = op.forward(v, bit);
-    bits |= (u32)bit << j;
-  }
-  return bits;
-}
-
 // The first `valid` of N consecutive elements (N a multiple of 4) to dst:
 // 4-element vector stores where all N exist and dst is aligned to 4
 // elements, 2-element ones where it is aligned to 2, else one by one.
@@ -181,6 +161,31 @@ __device__ __forceinline__ void store_n(T* dst, const T (&e)[N], int valid) {
     for (int j = 0; j < N; ++j)
       if (j < valid) dst[j] = out.e[j];
   }
+}
+
+// The epilogue of a run of 4 consecutive output elements: the tile's values
+// at src (16-byte aligned, shared memory) rounded to T, plus the bias b[j]
+// (if `has_bias`), through op.forward; the first `valid` stored to dst.
+// Returns their mask bits (element j: bit j, zero from `valid` on). The
+// arithmetic is branch-free: it runs on all 4 values.
+template <typename T, typename Op>
+__device__ __forceinline__ u32 epilogue_run4(const float* src, T* dst, int valid, const Op& op,
+                                             bool has_bias, const T (&b)[4],
+                                             typename Num<T>::op_t alpha) {
+  const float4 v4 = *reinterpret_cast<const float4*>(src);
+  const float in[4] = {v4.x, v4.y, v4.z, v4.w};
+  T out[4];
+  u32 bits = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    T v = Num<T>::from_op(in[j]);
+    if (has_bias) v = add_bias(v, b[j], alpha);
+    bool bit;
+    out[j] = op.forward(v, bit);
+    bits |= (u32)bit << j;
+  }
+  store_n(dst, out, valid);
+  return bits & ((1u << valid) - 1u);
 }
 
 // v in a register that ptxas cannot refill from the parameter bank: left to
@@ -411,14 +416,9 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
         T* y_line = y + e_tile + line * out_plane;
         u32 nib[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const float4 v4 = *reinterpret_cast<const float4*>(ct_lane + l0 * kCS + 32 * u);
-          const float in[4] = {v4.x, v4.y, v4.z, v4.w};
-          const int vu = line_ok ? valid[u] : 0;
-          T out[4];
-          nib[u] = epilogue(in, op, bias != nullptr, b, alpha, out) & ((1u << vu) - 1u);
-          store_n(y_line + off[u], out, vu);
-        }
+        for (int u = 0; u < 4; ++u)
+          nib[u] = epilogue_run4(ct_lane + l0 * kCS + 32 * u, y_line + off[u],
+                                 line_ok ? valid[u] : 0, op, bias != nullptr, b, alpha);
         if (p.mask)  // row mr of the line
           put_mask_word(p.mask, tile_word4x4(nib, j), mlane,
                         e_tile + line * out_plane + mr * p.ow, line_ok ? len : 0);
@@ -442,14 +442,9 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
         const long long e = (((long long)n * p.oh + oh) * p.ow + ow) * p.cout + tile_n;
         u32 nib[2];
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          const float4 v4 = *reinterpret_cast<const float4*>(ct_lane + ml0 * kCSL + 32 * u);
-          const float in[4] = {v4.x, v4.y, v4.z, v4.w};
-          const int vu = pos_ok ? valid_c[u] : 0;
-          T out[4];
-          nib[u] = epilogue(in, op, bias != nullptr, bias_c[u], alpha, out) & ((1u << vu) - 1u);
-          store_n(y + e + 4 * c + 32 * u, out, vu);
-        }
+        for (int u = 0; u < 2; ++u)
+          nib[u] = epilogue_run4(ct_lane + ml0 * kCSL + 32 * u, y + e + 4 * c + 32 * u,
+                                 pos_ok ? valid_c[u] : 0, op, bias != nullptr, bias_c[u], alpha);
         if (p.mask) put_mask_word(p.mask, tile_word2x8(nib, c), mlane, e, pos_ok ? len : 0);
       }
     }
