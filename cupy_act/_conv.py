@@ -264,19 +264,29 @@ def _load(device: int, module_key, source: str, names) -> list[ConvKernel]:
     return [ConvKernel(f.kernel.ptr, ctx, f.kernel) for f in functions]
 
 
-def kernel(device: int, dtype: str, n_passes: int, channels_last: bool) -> ConvKernel:
-    """The instantiation on ``device``; the first call per (device, dtype) compiles
-    (or loads from CuPy's disk cache) that dtype's module."""
-    key = (device, dtype, n_passes, channels_last)
-    k = _kernels.get(key)
+def _instantiation(table: dict, key: tuple, module_key, source: str, names, entry):
+    """table[key], key = (device, dtype, passes, channels_last); on a miss the
+    dtype's module (its kernels ``names()``, in module_keys order first) is
+    compiled or loaded once and every instantiation of it filed, as
+    ``entry(kernel, all loaded)``."""
+    k = table.get(key)
     if k is not None:
         return k
     with _lock:
-        keys = module_keys(dtype)
-        loaded = _load(device, dtype, SOURCE, [kernel_name(*k) for k in keys])
-        for k2, kern in zip(keys, loaded):
-            _kernels[(device, *k2)] = kern
-    return _kernels[key]
+        device, dtype = key[:2]
+        loaded = _load(device, module_key, source, names())
+        for k2, kern in zip(module_keys(dtype), loaded):
+            table[(device, *k2)] = entry(kern, loaded)
+    return table[key]
+
+
+def kernel(device: int, dtype: str, n_passes: int, channels_last: bool) -> ConvKernel:
+    """The instantiation on ``device``; the first call per (device, dtype) compiles
+    (or loads from CuPy's disk cache) that dtype's module."""
+    return _instantiation(
+        _kernels, (device, dtype, n_passes, channels_last), dtype, SOURCE,
+        lambda: [kernel_name(*k) for k in module_keys(dtype)], lambda k, _: k,
+    )  # fmt: skip
 
 
 def wgrad_kernels(
@@ -284,29 +294,19 @@ def wgrad_kernels(
 ) -> tuple[ConvKernel, ConvKernel]:
     """The weight gradient's main kernel and its finish on ``device``; the first
     call per (device, dtype) compiles (or loads) that dtype's module."""
-    key = (device, dtype, n_passes, channels_last)
-    k = _wgrad_kernels.get(key)
-    if k is not None:
-        return k
-    with _lock:
-        loaded = _load(device, (dtype, "wgrad"), WGRAD_SOURCE, wgrad_kernel_names(dtype))
-        for k2, kern in zip(module_keys(dtype), loaded):
-            _wgrad_kernels[(device, *k2)] = (kern, loaded[-1])
-    return _wgrad_kernels[key]
+    return _instantiation(
+        _wgrad_kernels, (device, dtype, n_passes, channels_last), (dtype, "wgrad"),
+        WGRAD_SOURCE, lambda: wgrad_kernel_names(dtype), lambda k, loaded: (k, loaded[-1]),
+    )  # fmt: skip
 
 
 def dgrad_kernel(device: int, dtype: str, n_passes: int, channels_last: bool) -> ConvKernel:
     """The input gradient's kernel on ``device``; the first call per (device,
     dtype) compiles (or loads) that dtype's module."""
-    key = (device, dtype, n_passes, channels_last)
-    k = _dgrad_kernels.get(key)
-    if k is not None:
-        return k
-    with _lock:
-        loaded = _load(device, (dtype, "dgrad"), DGRAD_SOURCE, dgrad_kernel_names(dtype))
-        for k2, kern in zip(module_keys(dtype), loaded):
-            _dgrad_kernels[(device, *k2)] = kern
-    return _dgrad_kernels[key]
+    return _instantiation(
+        _dgrad_kernels, (device, dtype, n_passes, channels_last), (dtype, "dgrad"),
+        DGRAD_SOURCE, lambda: dgrad_kernel_names(dtype), lambda k, _: k,
+    )  # fmt: skip
 
 
 def load(device: int) -> None:
