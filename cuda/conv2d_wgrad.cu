@@ -1,7 +1,7 @@
 // conv2d_wgrad.cu: the fused convolution block's weight and bias gradients,
 // read once from the upstream gradient, the forward's 1-bit mask and x.
 //
-//   conv2d_wgrad_kernel<T, kPasses, kChannelsLast>      (grid: splits x column tiles x chunks)
+//   conv2d_wgrad_kernel<T, kPasses, kChannelsLast, kStages>  (grid: splits x column tiles x chunks)
 //     part[s][co][k] = sum over the positions m of split s of dz[m][co] * patch[m][k]
 //     part[splits][cout] + [s][co] = sum over the same positions of dz[m][co]
 //   conv2d_wgrad_finish<T>
@@ -29,8 +29,19 @@
 // + 63; the two halves' sums are added in shared memory at the end, in a
 // fixed order. Precision as the forward's: 3xTF32 for float32 ("fp32"), one
 // TF32 pass otherwise (the bias gradient keeps FP32 accuracy either way);
-// float32 accumulation. 156-168 registers and at most 75 KB of shared memory
+// float32 accumulation. 145-168 registers and at most 75 KB of shared memory
 // (67 KB at the seed shape with 3xTF32): three blocks per SM.
+//
+// The bulk-copy path (kStages > 0; sm_90, NCHW, a tile's positions in each
+// channel one run of dy from an even element: _conv.wgrad_bulk): warp 0 has
+// the copy engine bring each line's run (widened to whole 16-byte units)
+// and the mask words that hold its bits into shared memory, completing on an
+// mbarrier, while the block copies the patch; each thread then realigns a
+// few mask words and dz is formed as the A fragments load (DzRaw), so dy
+// never passes through registers on its way in. The register path forms dz
+// while copying it (load_dz4: scalar loads where runs are not 16-byte
+// aligned, as at 126-wide outputs). Both sum the same terms in the same
+// order: the same bits.
 //
 // Deterministic: a split's tiles, the warps' order of positions and the final
 // sum over splits (in double, in order of s) are fixed by the shape and the
@@ -52,6 +63,12 @@ namespace cupy_act {
 // dz tile row stride: [kBN][kDS]; the A fragments' 8-byte loads (row g,
 // words 2t, 2t + 1) hit banks (8g + 2t) % 32, distinct in each half warp.
 constexpr int kDS = kBM + 8;
+// The bulk-copy path's raw dy lines, bytes apart: [kBN][kBM + 8] elements,
+// room for a line's 16-byte aligned run (its first element up to 16 bytes
+// in). Float32 pairs load as the dz tile's; a 16-bit pair is one word,
+// (68g + t) % 32 = (4g + t) % 32: distinct banks in the warp.
+template <typename T>
+constexpr int kRawStride = (kBM + 8) * (int)sizeof(T);
 constexpr int kWgradDepth = 72;     // depth per chunk (9 column tiles of 8; padding reads zeros)
 constexpr int kWgradCols = kWgradDepth / 8;
 
@@ -76,6 +93,98 @@ __device__ __forceinline__ void load_dz4(const T* dy_e, const u32* mask, long lo
   bits = __funnelshift_r(lo, hi, sh);
 }
 
+// The copy engine (sm_90): bulk copies from global into shared memory, each
+// completing on an mbarrier that counts the bytes. Other architectures never
+// launch the bulk path (_conv.wgrad_bulk); there these trap.
+__device__ __forceinline__ void bar_init(u32 bar) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 32;\n fence.mbarrier_init.release.cluster;"
+               :: "r"(bar) : "memory");
+#else
+  __trap();
+#endif
+}
+
+// One arrival on `bar` (of the 32 its phase waits for), and `bytes` more
+// that must land before the phase completes.
+__device__ __forceinline__ void bar_expect(u32 bar, u32 bytes) {
+#if __CUDA_ARCH__ >= 900
+  // The shared memory about to be overwritten was read by ordinary loads
+  // (ordered before this by the block's barrier); order them before the copies.
+  asm volatile("fence.proxy.async.shared::cta;\n"
+               " mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+               :: "r"(bar), "r"(bytes) : "memory");
+#else
+  __trap();
+#endif
+}
+
+// bytes (a multiple of 16) from src to shared address dst, both 16-byte aligned.
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+#else
+  __trap();
+#endif
+}
+
+// Wait for the phase of `bar` with this parity (0, 1, 0, ... per use).
+__device__ __forceinline__ void bar_wait(u32 bar, u32 parity) {
+#if __CUDA_ARCH__ >= 900
+  u32 done;
+  do {
+    asm volatile(
+        "{\n .reg .pred q;\n mbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, q;\n}"
+        : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  } while (!done);
+#else
+  __trap();
+#endif
+}
+
+// Where wgrad_step's A operand (dz, channel rows g + 8h + 16i of this warp's
+// 32, positions p0 + 2t and p0 + 2t + 1) comes from. DzFloats: the dz tile
+// the register path formed; DzRaw: formed here from raw dy and the mask words
+// the bulk copies brought (each value is loaded by one thread once, so dz is
+// computed once either way).
+struct DzFloats {
+  u32 row;  // the shared address of this thread's dz row at position p0 + 2t
+  __device__ __forceinline__ void operator()(int i, int h, float& v0, float& v1) const {
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];"
+                 : "=f"(v0), "=f"(v1)
+                 : "r"(row + (i * 16 + h * 8) * kDS * 4));
+  }
+};
+
+template <typename T>
+struct DzRaw {
+  u32 row;   // the shared address of this thread's dy row at position p0 + 2t
+  u32 mrow;  // its mask row's word p0 / 32 (realigned: 4 words, bit p = position p)
+  int sh;    // the bit of position p0 + 2t in that word
+  const DivLeakyRelu<T>& op;
+  __device__ __forceinline__ void operator()(int i, int h, float& v0, float& v1) const {
+    const int line = i * 16 + h * 8;
+    union {
+      T e[2];
+      u32 w[sizeof(T) / 2];
+    } d;
+    if (sizeof(T) == 4)
+      asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];"
+                   : "=r"(d.w[0]), "=r"(d.w[sizeof(T) / 2 - 1])
+                   : "r"(row + line * kRawStride<T>));
+    else
+      asm volatile("ld.shared.b32 %0, [%1];" : "=r"(d.w[0]) : "r"(row + line * kRawStride<T>));
+    u32 bits;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(bits) : "r"(mrow + line * 16));
+    bits >>= sh;
+    v0 = Num<T>::to_op(op.backward(d.e[0], bits & 1u));
+    v1 = Num<T>::to_op(op.backward(d.e[1], (bits >> 1) & 1u));
+  }
+};
+
 // The bias gradient of one-pass float32 as float sums of dz (each thread its
 // positions' values per channel row, reduced over the quad at the end): FP32
 // accuracy without a small TF32 part of dz and its MMAs. Three passes (and
@@ -86,17 +195,17 @@ constexpr bool kFaddBias = kPasses == 1 && sizeof(T) == 4;
 // acc += dz * patch and accb += dz * 1 over 8 positions (p0 .. p0 + 7 of the
 // tile) of this warp. The MMA's reduction index k = t, t + 4 stands for
 // positions p0 + 2t, p0 + 2t + 1 (any order of the sum's terms serves, if A
-// and B agree), so that a thread's two dz values lie side by side. a_row: the
-// shared address of its dz row at position p0 + 2t; kb_addr the shared
+// and B agree), so that a thread's two dz values lie side by side. load_a
+// gives those two values of its rows (DzFloats or DzRaw); kb_addr the shared
 // address of its B columns' patch offsets, mo0 / mo1 the patch offsets of
 // positions p0 + 2t and p0 + 2t + 1 (bytes), ones the B operand of a column
 // of ones (the bias gradient is dz times it, on the tensor cores; one-pass
 // float32 sums the floats, kFaddBias). kGuard: positions of the step outside
 // the output (`live` bit j: position p0 + 2t + j exists) take zero patch
 // operands.
-template <typename T, int kPasses, bool kGuard>
+template <typename T, int kPasses, bool kGuard, class A>
 __device__ __forceinline__ void wgrad_step(float (&acc)[2][kWgradCols][4], float (&accb)[2][4],
-                                           u32 a_row, u32 kb_addr, u32 patch_addr,
+                                           const A& load_a, u32 kb_addr, u32 patch_addr,
                                            int mo0, int mo1, u32 live, const u32 (&ones)[2]) {
   constexpr int kParts = kPasses == 3 ? 2 : 1;
   static_assert(kWgradCols % 3 == 0, "column tiles in groups of three");
@@ -106,9 +215,11 @@ __device__ __forceinline__ void wgrad_step(float (&acc)[2][kWgradCols][4], float
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // channel g or g + 8: positions 2t, 2t + 1 (k = t, t + 4)
       float v0, v1;
-      asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];"
-                   : "=f"(v0), "=f"(v1)
-                   : "r"(a_row + (i * 16 * kDS + h * 8 * kDS) * 4));
+      load_a(i, h, v0, v1);
+      if (kGuard) {  // positions past the output: zero dz too (the bulk path's raw values are not)
+        v0 = live & 1u ? v0 : 0.f;
+        v1 = live & 2u ? v1 : 0.f;
+      }
       split<kPasses>(v0, a[0][i][h], a[1][i][h]);  // one pass: big alone (kFaddBias)
       split<kPasses>(v1, a[0][i][h + 2], a[1][i][h + 2]);
       if (kFaddBias<T, kPasses>) {  // rows g, g + 8: accb[i][0], accb[i][2]
@@ -156,9 +267,10 @@ __device__ __forceinline__ void wgrad_step(float (&acc)[2][kWgradCols][4], float
   }
 }
 
-template <typename T, int kPasses, bool kChannelsLast>
+template <typename T, int kPasses, bool kChannelsLast, int kStages>
 __global__ void __launch_bounds__(kConvThreads, 3) conv2d_wgrad_kernel(const ConvParams p) {
   static_assert(kPasses == 1 || kPasses == 3, "one TF32 pass or the 3xTF32 split");
+  static_assert(kStages == 0 || !kChannelsLast, "the bulk copies take NCHW lines");
   extern __shared__ __align__(16) float smem[];
   const T* x = static_cast<const T*>(p.x);
   const T* dy = static_cast<const T*>(p.y);
@@ -176,8 +288,10 @@ __global__ void __launch_bounds__(kConvThreads, 3) conv2d_wgrad_kernel(const Con
   // Shared memory (see _conv.wgrad_tiling): koff [kWgradDepth] | this tile's
   // B column offsets kbt [kWgradDepth] | the patch ([cc + 1] planes of PH
   // rows, the last plane zero; small parts at + kPatchPart), reused at the
-  // end for the two halves' sums | dz [kBN][kDS], as floats | the halves'
-  // bias sums [kBN].
+  // end for the two halves' sums | dz [kBN][kDS], as floats, or with bulk
+  // copies (kStages > 0) per stage raw dy [kBN][kRawStride bytes], per stage
+  // the mask words that hold each line's bits [kBN][8], the realigned mask
+  // [kBN][4] and per stage an mbarrier | the halves' bias sums [kBN].
   constexpr int kParts = kPasses == 3 ? 2 : 1;
   int* koff = reinterpret_cast<int*>(smem);
   int* kbt = koff + kWgradDepth;
@@ -185,7 +299,17 @@ __global__ void __launch_bounds__(kConvThreads, 3) conv2d_wgrad_kernel(const Con
   const int patch_words = kParts == 2 ? 2 * kPatchPart : (p.cc + 1) * plane;
   const int region = patch_words > kBN * kWgradDepth ? patch_words : kBN * kWgradDepth;
   float* dzs = reinterpret_cast<float*>(patch + ((region + 3) & ~3));  // 16-byte aligned
-  float* bsum = dzs + kBN * kDS;
+  constexpr int kRawBytes = kBN * kRawStride<T>;
+  constexpr int kDzBytes =
+      kStages == 0 ? kBN * kDS * 4 : kStages * (kRawBytes + kBN * 32 + 8) + kBN * 16;
+  float* bsum = dzs + kDzBytes / 4;
+  const u32 raw0 = (u32)__cvta_generic_to_shared(dzs);
+  u32* mraw = reinterpret_cast<u32*>(reinterpret_cast<char*>(dzs) + kStages * kRawBytes);
+  u32* maligned = mraw + kStages * kBN * 8;
+  const u32 mask0 = (u32)__cvta_generic_to_shared(mraw);
+  const u32 bar0 = (u32)__cvta_generic_to_shared(maligned + kBN * 4);
+  if (kStages > 0 && tid == 0)
+    for (int s = 0; s < kStages; ++s) bar_init(bar0 + 8 * s);
 
   // koff[k], depth k = (ci, r, s) of the chunk: the patch word of its channel
   // plane and column, ci * plane + s * dw (< 2^16: the patch is at most 75
@@ -207,7 +331,9 @@ __global__ void __launch_bounds__(kConvThreads, 3) conv2d_wgrad_kernel(const Con
   // 8j + g of column tile j: their byte offsets in the patch, kbt, per tile).
   const int wm = warp & 1, wk = warp >> 1;
   const u32 patch_addr = (u32)__cvta_generic_to_shared(patch);
-  const u32 a_row = (u32)__cvta_generic_to_shared(dzs) + ((wm * 32 + g) * kDS + 2 * t) * 4;
+  const u32 a_row = raw0 + ((wm * 32 + g) * kDS + 2 * t) * 4;
+  const u32 raw_row = raw0 + (wm * 32 + g) * kRawStride<T> + 2 * t * (int)sizeof(T);
+  const u32 mask_row = (u32)__cvta_generic_to_shared(maligned) + (wm * 32 + g) * 16;
   const u32 kb_addr = (u32)__cvta_generic_to_shared(kbt + g);
   const u32 one = g == 0 ? 0x3f800000u : 0u;  // B column 0 all ones, the others zero
   const u32 ones[2] = {one, one};
@@ -230,6 +356,47 @@ __global__ void __launch_bounds__(kConvThreads, 3) conv2d_wgrad_kernel(const Con
   const bool dz_vec = (p.ow & 3) == 0 && ((u64)dy & (4 * sizeof(T) - 1)) == 0;
   const bool x_vec = (p.w_in & 3) == 0 && ((u64)x & (4 * sizeof(T) - 1)) == 0;
 
+  // The bulk path (_conv.wgrad_bulk: a tile's positions in each channel are
+  // one run of dy, starting at an even element). The first element of tile
+  // `tile`'s line 0, and the run's length.
+  constexpr int kVec = 16 / sizeof(T);  // elements per 16 bytes
+  auto tile_run = [&](int tile, long long& e0, int& len) {
+    const int th = tile % p.tiles_h, tw = (tile / p.tiles_h) % p.tiles_w;
+    const int n = tile / (p.tiles_w * p.tiles_h);
+    const int oh0 = th * rows_per_tile, ow0 = tw * cols;
+    e0 = ((long long)n * p.cout + tile_n) * out_plane + (long long)oh0 * p.ow + ow0;
+    len = (min(rows_per_tile, p.oh - oh0) - 1) * p.ow + min(cols, p.ow - ow0);
+  };
+  // Warp 0 has the copy engine bring each line's run of dy, widened to whole
+  // 16-byte units (the run's first element lands e % kVec elements into its
+  // row), and the 16-byte units of mask words that hold its bits, into
+  // stage `stage`; each lane counts its own bytes on the stage's barrier.
+  // Lines past cout are not copied (their rows' sums are never written).
+  auto issue = [&](int tile, int stage) {
+    long long e0;
+    int len;
+    tile_run(tile, e0, len);
+    const int lines = min(kBN, p.cout - tile_n);
+    u32 bytes = 0;
+    for (int line = lane; line < lines; line += 32) {
+      const long long e = e0 + line * out_plane;
+      const int shift = (int)(e & (kVec - 1)), mb = (int)(e & 127);
+      bytes += ((shift + len + kVec - 1) / kVec) * 16 + ((mb + len + 127) >> 7) * 16;
+    }
+    const u32 bar = bar0 + 8 * stage;
+    bar_expect(bar, bytes);
+    for (int line = lane; line < lines; line += 32) {
+      const long long e = e0 + line * out_plane;
+      const int shift = (int)(e & (kVec - 1)), mb = (int)(e & 127);
+      bulk_copy(raw0 + stage * kRawBytes + line * kRawStride<T>, dy + (e - shift),
+                ((shift + len + kVec - 1) / kVec) * 16, bar);
+      bulk_copy(mask0 + (stage * kBN + line) * 32, p.mask + (e >> 7) * 4,
+                ((mb + len + 127) >> 7) * 16, bar);
+    }
+  };
+  if (kStages > 1 && warp == 0)
+    for (int s = 0; s < kStages - 1 && tile_first + s < tile_end; ++s) issue(tile_first + s, s);
+
   float acc[2][kWgradCols][4], accb[2][4];
 #pragma unroll
   for (int i = 0; i < 2; ++i)
@@ -240,7 +407,7 @@ __global__ void __launch_bounds__(kConvThreads, 3) conv2d_wgrad_kernel(const Con
       for (int j = 0; j < kWgradCols; ++j) acc[i][j][q] = 0.f;
     }
 
-  for (int tile = tile_first; tile < tile_end; ++tile) {
+  for (int tile = tile_first, it = 0; tile < tile_end; ++tile, ++it) {
     const int th = tile % p.tiles_h;
     const int tw = (tile / p.tiles_h) % p.tiles_w;
     const int n = tile / (p.tiles_w * p.tiles_h);
@@ -252,16 +419,24 @@ __global__ void __launch_bounds__(kConvThreads, 3) conv2d_wgrad_kernel(const Con
     const int base = ring ? (oh0 * p.sh) % p.patch_h : 0;
     const int fresh = ring && th > 0 && tile > tile_first ? min(p.sh, p.patch_h) : p.patch_h;
     __syncthreads();  // the previous tile's MMAs are done with the patch, dz and kbt
+    if (kStages > 0 && warp == 0 && tile + kStages - 1 < tile_end)
+      issue(tile + kStages - 1, (it + kStages - 1) % kStages);
     for (int k = tid; k < kWgradDepth; k += kConvThreads) {  // bytes
       const int e = koff[k];
       kbt[k] = ((e & 0xffff) + ring_slot(base, e >> 16, p.patch_h) * p.patch_w) * 4;
     }
-    // dz into shared memory as floats, [channel][position], zero past the
-    // output's edge; each lane stores 4 consecutive positions of one channel
-    // (16 bytes: a quarter warp's stores cover the 32 banks once).
+    // The patch, and (register path) dz into shared memory as floats,
+    // [channel][position], zero past the output's edge; each lane stores 4
+    // consecutive positions of one channel (16 bytes: a quarter warp's stores
+    // cover the 32 banks once).
+    const bool patch_vec = x_vec && ((ow0 * p.sw - p.pw) & 3) == 0;
     if (kChannelsLast) {
       load_patch<T, kPasses, true>(patch, p, x + (long long)n * image, c0, oh0 * p.sh - p.ph,
                                    ow0 * p.sw - p.pw, tid);
+    } else if (kStages > 0) {  // dy is on its way: the patch alone
+      load_patch_nchw<T, kPasses, 2>(patch, p, x + (long long)n * image, c0, oh0 * p.sh - p.ph,
+                                     ow0 * p.sw - p.pw, tid, patch_vec, p.patch_h - fresh, fresh,
+                                     base);
     } else {  // a warp per channel, a lane per 4 positions of its row
       const int lane4 = lane * 4;
       const int row = lane4 >> p.c_log2, col = lane4 & (cols - 1);
@@ -299,8 +474,8 @@ __global__ void __launch_bounds__(kConvThreads, 3) conv2d_wgrad_kernel(const Con
       // The first lines' loads are in flight while the patch is copied.
       load_lines(warp);
       load_patch_nchw<T, kPasses, 2>(patch, p, x + (long long)n * image, c0, oh0 * p.sh - p.ph,
-                                     ow0 * p.sw - p.pw, tid, x_vec && ((ow0 * p.sw - p.pw) & 3) == 0,
-                                     p.patch_h - fresh, fresh, base);
+                                     ow0 * p.sw - p.pw, tid, patch_vec, p.patch_h - fresh, fresh,
+                                     base);
       store_lines(warp);
 #pragma unroll 1
       for (int line0 = warp + kStride; line0 < kBN; line0 += kStride) {
@@ -340,6 +515,25 @@ __global__ void __launch_bounds__(kConvThreads, 3) conv2d_wgrad_kernel(const Con
         }
       }
     }
+
+    // The bulk path: wait for this tile's copies, then realign each line's
+    // mask bits (bit p: position p) from the words that hold them.
+    const int stage = kStages > 0 ? it % kStages : 0;
+    u32 shift_bytes = 0;  // where this thread's lines' runs start in their rows
+    if (kStages > 0) {
+      long long e0;
+      int len;
+      tile_run(tile, e0, len);
+      const u32 e_lo = (u32)e0, plane_lo = (u32)out_plane;  // low bits suffice
+      shift_bytes = ((e_lo + (u32)(wm * 32 + g) * plane_lo) & (kVec - 1)) * sizeof(T);
+      bar_wait(bar0 + 8 * stage, (it / kStages) & 1);
+      for (int k = tid; k < kBN * 4; k += kConvThreads) {
+        const int line = k >> 2;
+        const u32 mb = (e_lo + (u32)line * plane_lo) & 127u;
+        const u32* w = mraw + (stage * kBN + line) * 8 + (mb >> 5) + (k & 3);
+        maligned[k] = __funnelshift_r(w[0], w[1], mb & 31u);
+      }
+    }
     __syncthreads();
 
     // The MMAs over this warp's half of the tile, 8 positions a step (a step
@@ -349,12 +543,20 @@ __global__ void __launch_bounds__(kConvThreads, 3) conv2d_wgrad_kernel(const Con
       if (r >= rows || c >= row_len) continue;  // no output position in the step
       const int mo = r * p.sh * p.patch_w + c * p.sw;
       const int mo0 = (mo + 2 * t * p.sw) * 4, mo1 = mo0 + p.sw * 4;
-      const u32 a_step = a_row + p0 * 4;
-      if (c + 8 <= row_len) {
-        wgrad_step<T, kPasses, false>(acc, accb, a_step, kb_addr, patch_addr, mo0, mo1, 3u, ones);
+      const u32 live = (u32)(c + 2 * t < row_len) | (u32)(c + 2 * t + 1 < row_len) << 1;
+      if (kStages > 0) {
+        const DzRaw<T> a{raw_row + stage * kRawBytes + shift_bytes + p0 * (int)sizeof(T),
+                         mask_row + (p0 >> 5) * 4, (p0 & 31) + 2 * t, op};
+        if (c + 8 <= row_len)
+          wgrad_step<T, kPasses, false>(acc, accb, a, kb_addr, patch_addr, mo0, mo1, 3u, ones);
+        else
+          wgrad_step<T, kPasses, true>(acc, accb, a, kb_addr, patch_addr, mo0, mo1, live, ones);
+      } else if (c + 8 <= row_len) {
+        const DzFloats a{a_row + p0 * 4};
+        wgrad_step<T, kPasses, false>(acc, accb, a, kb_addr, patch_addr, mo0, mo1, 3u, ones);
       } else {
-        const u32 live = (u32)(c + 2 * t < row_len) | (u32)(c + 2 * t + 1 < row_len) << 1;
-        wgrad_step<T, kPasses, true>(acc, accb, a_step, kb_addr, patch_addr, mo0, mo1, live, ones);
+        const DzFloats a{a_row + p0 * 4};
+        wgrad_step<T, kPasses, true>(acc, accb, a, kb_addr, patch_addr, mo0, mo1, live, ones);
       }
     }
   }

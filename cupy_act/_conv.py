@@ -22,7 +22,7 @@ import threading
 from typing import NamedTuple
 
 from . import _launch, _loader
-from ._kernels import CTYPES
+from ._kernels import CTYPES, ITEMSIZE
 from ._scalars import kernel_scalars
 
 SOURCE = "conv2d.cu"
@@ -60,13 +60,20 @@ def all_kernel_names() -> tuple[str, ...]:
 
 def wgrad_kernel_names(dtype: str) -> tuple[str, ...]:
     """The weight-gradient module's instantiations for ``dtype``: the main
-    kernel per (passes, channels_last) of ``module_keys``, then the finish."""
+    kernel per (passes, channels_last) of ``module_keys``, then its bulk-copy
+    version (sm_90, NCHW: ``wgrad_bulk``) per NCHW key, then the finish."""
     t = CTYPES[dtype]
+    keys = module_keys(dtype)
     main = tuple(
-        f"cupy_act::conv2d_wgrad_kernel<{t}, {n}, {'true' if cl else 'false'}>"
-        for _, n, cl in module_keys(dtype)
+        f"cupy_act::conv2d_wgrad_kernel<{t}, {n}, {'true' if cl else 'false'}, 0>"
+        for _, n, cl in keys
     )
-    return (*main, f"cupy_act::conv2d_wgrad_finish<{t}>")
+    bulk = tuple(
+        f"cupy_act::conv2d_wgrad_kernel<{t}, {n}, false, {WGRAD_STAGES}>"
+        for _, n, cl in keys
+        if not cl
+    )
+    return (*main, *bulk, f"cupy_act::conv2d_wgrad_finish<{t}>")
 
 
 def all_wgrad_kernel_names() -> tuple[str, ...]:
@@ -209,28 +216,62 @@ def _tiling(g: Geometry, c: int, cc: int, kc_pad: int, ph: int, pw: int, smem: i
     return Tiling(c, *tiles, cc, kc_pad, ph, pw, smem)
 
 
+def _forward_smem(n_passes: int, cc: int, kc_pad: int, ph: int, pw: int) -> int | None:
+    """The forward's shared memory (bytes) for a patch of ph rows of pw words
+    per channel; None where three passes cannot keep the small parts at their
+    fixed distances (conv2d.cu: the patch part within PATCH_PART words, the
+    depth per chunk within 72)."""
+    part = (cc + 1) * ph * pw
+    if n_passes == 3:
+        if part > PATCH_PART or kc_pad > 72:
+            return None
+        return 4 * (kc_pad + max(2 * PATCH_PART, EPILOGUE_FLOATS) + 2 * WEIGHT_PART)
+    return 4 * (kc_pad + max(part, EPILOGUE_FLOATS) + kc_pad * WEIGHT_STRIDE)
+
+
 @functools.lru_cache(maxsize=4096)  # (a Python search: cached per shape)
 def tiling(g: Geometry, n_passes: int) -> Tiling | None:
     """The widest rectangle (C = 128, 64 or 32, at least the output width where
     possible) and the fewest, evenly sized channel chunks whose shared memory
     stays within SMEM_TARGET (or SMEM_MAX with one pass); None if nothing fits.
-
-    Three passes keep each operand's small parts at a fixed distance from the
-    big ones (conv2d.cu): the patch part within PATCH_PART words, the depth
-    per chunk within 72.
-    """
+    The patch rows are pw words apart here; ``launch_tiling`` spaces them for
+    the launch."""
     limits = (SMEM_TARGET[n_passes],) if n_passes == 3 else (SMEM_TARGET[1], SMEM_MAX)
     for limit in limits:
-        for c, ph, pw, cc, kc_pad, part in _layouts(g):
-            if n_passes == 3:
-                if part > PATCH_PART or kc_pad > 72:
-                    continue
-                words = kc_pad + max(2 * PATCH_PART, EPILOGUE_FLOATS) + 2 * WEIGHT_PART
-            else:
-                words = kc_pad + max(part, EPILOGUE_FLOATS) + kc_pad * WEIGHT_STRIDE
-            if 4 * words <= limit:
-                return _tiling(g, c, cc, kc_pad, ph, pw, 4 * words)
+        for c, ph, pw, cc, kc_pad, _ in _layouts(g):
+            smem = _forward_smem(n_passes, cc, kc_pad, ph, pw)
+            if smem is not None and smem <= limit:
+                return _tiling(g, c, cc, kc_pad, ph, pw, smem)
     return None
+
+
+@functools.lru_cache(maxsize=4096)
+def launch_tiling(g: Geometry, n_passes: int) -> Tiling:
+    """``tiling`` with the patch rows spaced for the MMA loads (``_spaced``)
+    within the same shared-memory limit. Apart from ``tiling``, which ``fits``
+    calls where torch.compile traces: it would trace this search."""
+    tl = tiling(g, n_passes)
+    assert tl is not None, "callers check fits()"
+    limit = SMEM_TARGET[n_passes] if tl.smem <= SMEM_TARGET[n_passes] else SMEM_MAX
+
+    def smem(w: int) -> int | None:
+        b = _forward_smem(n_passes, tl.cc, tl.kc_pad, tl.patch_h, w)
+        return b if b is not None and b <= limit else None
+
+    return _spaced(g, "forward", tl, smem)
+
+
+def _spaced(g: Geometry, kernel: str, tl: Tiling, smem) -> Tiling:
+    """tl with the patch row stride in tl.patch_w .. + 31 that fits (``smem(w)``,
+    bytes, not None; tl.patch_w does) and whose MMA loads take the fewest
+    shared-memory wavefronts (``_patch_wavefronts``), the smallest such. The
+    patch copy fills the extra columns too (zeros past the image)."""
+    pw = tl.patch_w
+    w = min(
+        (w for w in range(pw, pw + 32) if smem(w) is not None),
+        key=lambda w: (_patch_wavefronts(g, kernel, tl, w), w),
+    )
+    return tl._replace(patch_w=w, smem=smem(w))
 
 
 # ConvParams of conv2d_tiles.cuh: x, w, bias, y, mask; 23 ints (4 bytes of
@@ -247,10 +288,18 @@ class ConvKernel(NamedTuple):
     function: object  # keeps the module loaded
 
 
+class WgradKernels(NamedTuple):
+    """The weight gradient's kernels for one (device, dtype, passes, layout)."""
+
+    main: ConvKernel
+    bulk: ConvKernel | None  # the bulk-copy version (NCHW only)
+    finish: ConvKernel
+
+
 _lock = threading.Lock()
 _modules: dict[object, object] = {}
 _kernels: dict[tuple, ConvKernel] = {}  # (device, dtype, passes, channels_last)
-_wgrad_kernels: dict[tuple, tuple[ConvKernel, ConvKernel]] = {}  # the same keys: (main, finish)
+_wgrad_kernels: dict[tuple, WgradKernels] = {}  # the same keys
 _dgrad_kernels: dict[tuple, ConvKernel] = {}  # the same keys
 _smem_set: dict[int, int] = {}  # CUfunction -> dynamic shared memory allowed so far
 _resident: dict[tuple, int] = {}  # (device, CUfunction, smem) -> blocks the device holds at once
@@ -268,15 +317,15 @@ def _instantiation(table: dict, key: tuple, module_key, source: str, names, entr
     """table[key], key = (device, dtype, passes, channels_last); on a miss the
     dtype's module (its kernels ``names()``, in module_keys order first) is
     compiled or loaded once and every instantiation of it filed, as
-    ``entry(kernel, all loaded)``."""
+    ``entry(kernel, all loaded, its index in module_keys)``."""
     k = table.get(key)
     if k is not None:
         return k
     with _lock:
         device, dtype = key[:2]
         loaded = _load(device, module_key, source, names())
-        for k2, kern in zip(module_keys(dtype), loaded):
-            table[(device, *k2)] = entry(kern, loaded)
+        for i, (k2, kern) in enumerate(zip(module_keys(dtype), loaded)):
+            table[(device, *k2)] = entry(kern, loaded, i)
     return table[key]
 
 
@@ -285,18 +334,23 @@ def kernel(device: int, dtype: str, n_passes: int, channels_last: bool) -> ConvK
     (or loads from CuPy's disk cache) that dtype's module."""
     return _instantiation(
         _kernels, (device, dtype, n_passes, channels_last), dtype, SOURCE,
-        lambda: [kernel_name(*k) for k in module_keys(dtype)], lambda k, _: k,
+        lambda: [kernel_name(*k) for k in module_keys(dtype)], lambda k, *_: k,
     )  # fmt: skip
 
 
-def wgrad_kernels(
-    device: int, dtype: str, n_passes: int, channels_last: bool
-) -> tuple[ConvKernel, ConvKernel]:
-    """The weight gradient's main kernel and its finish on ``device``; the first
-    call per (device, dtype) compiles (or loads) that dtype's module."""
+def wgrad_kernels(device: int, dtype: str, n_passes: int, channels_last: bool) -> WgradKernels:
+    """The weight gradient's kernels on ``device``; the first call per (device,
+    dtype) compiles (or loads) that dtype's module."""
+    keys = module_keys(dtype)
+    nchw = [i for i, (_, _, cl) in enumerate(keys) if not cl]
+
+    def entry(k, loaded, i):
+        bulk = loaded[len(keys) + nchw.index(i)] if i in nchw else None
+        return WgradKernels(k, bulk, loaded[-1])
+
     return _instantiation(
         _wgrad_kernels, (device, dtype, n_passes, channels_last), (dtype, "wgrad"),
-        WGRAD_SOURCE, lambda: wgrad_kernel_names(dtype), lambda k, loaded: (k, loaded[-1]),
+        WGRAD_SOURCE, lambda: wgrad_kernel_names(dtype), entry,
     )  # fmt: skip
 
 
@@ -305,7 +359,7 @@ def dgrad_kernel(device: int, dtype: str, n_passes: int, channels_last: bool) ->
     dtype) compiles (or loads) that dtype's module."""
     return _instantiation(
         _dgrad_kernels, (device, dtype, n_passes, channels_last), (dtype, "dgrad"),
-        DGRAD_SOURCE, lambda: dgrad_kernel_names(dtype), lambda k, _: k,
+        DGRAD_SOURCE, lambda: dgrad_kernel_names(dtype), lambda k, *_: k,
     )  # fmt: skip
 
 
@@ -313,6 +367,19 @@ def load(device: int) -> None:
     """Compile or load every fused-convolution module for ``device`` now."""
     for dtype in DTYPES:
         kernel(device, dtype, *module_keys(dtype)[0][1:])
+
+
+_sms: dict[int, int] = {}
+
+
+def _sm(device: int) -> int:
+    """The device's compute capability as one number (9.0: 90)."""
+    sm = _sms.get(device)
+    if sm is None:
+        import cupy
+
+        sm = _sms[device] = int(cupy.cuda.Device(device).compute_capability)
+    return sm
 
 
 def _blocks(device: int, k: ConvKernel, smem: int) -> int:
@@ -367,8 +434,7 @@ def launch(
     if g.n * g.oh * g.ow == 0:
         return
     n_passes = passes(dtype, precision)
-    tl = tiling(g, n_passes)
-    assert tl is not None, "callers check fits()"
+    tl = launch_tiling(g, n_passes)
     k = kernel(device, dtype, n_passes, channels_last)
     _allow_smem(k, tl.smem)
     s = _pack(g, tl, x, w, bias, y, mask, slope, scale)
@@ -396,8 +462,23 @@ def _pack(g: Geometry, tl: Tiling, x, w, bias, y, mask, slope, scale, *wgrad) ->
 
 WGRAD_DEPTH = 72  # kWgradDepth: the depth per chunk (cc * kh * kw, padded with zeros)
 DZ_STRIDE = TILE_M + 8  # kDS
+# The bulk-copy path's stages (sets of buffers: raw dy, the mask words, an
+# mbarrier; see wgrad_bulk_smem). Two (copies a whole tile ahead) measured
+# slower: 105 KB of shared memory leaves 2 blocks per SM.
+WGRAD_STAGES = 1
 # Three blocks per SM (the kernel's launch bounds): 228 KiB less 1 KiB each.
 WGRAD_SMEM = 75 * 1024
+
+
+def _wgrad_smem(n_passes: int, cc: int, ph: int, pw: int) -> int | None:
+    """The weight gradient's shared memory (bytes) for a patch of ph rows of pw
+    words per channel; None where it does not fit (WGRAD_SMEM, PATCH_PART)."""
+    part = (cc + 1) * ph * pw
+    if n_passes == 3 and part > PATCH_PART:
+        return None
+    region = max(2 * PATCH_PART if n_passes == 3 else part, TILE_N * WGRAD_DEPTH)
+    words = 2 * WGRAD_DEPTH + -(-region // 4) * 4 + TILE_N * DZ_STRIDE + TILE_N
+    return 4 * words if 4 * words <= WGRAD_SMEM else None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -408,16 +489,53 @@ def wgrad_tiling(g: Geometry, n_passes: int) -> Tiling | None:
     memory for the koff table and the tile's column offsets, the patch (or
     the halves' sums, 64 x 72, whichever is larger), the dz tile (64 x
     DZ_STRIDE floats) and 64 bias sums; None if nothing fits (then PyTorch's
-    convolution backward)."""
-    parts = 2 if n_passes == 3 else 1
-    for c, ph, pw, cc, kc_pad, part in _layouts(g):
-        if kc_pad > WGRAD_DEPTH or (parts == 2 and part > PATCH_PART):
-            continue
-        region = max(2 * PATCH_PART if parts == 2 else part, TILE_N * WGRAD_DEPTH)
-        words = 2 * WGRAD_DEPTH + -(-region // 4) * 4 + TILE_N * DZ_STRIDE + TILE_N
-        if 4 * words <= WGRAD_SMEM:
-            return _tiling(g, c, cc, WGRAD_DEPTH, ph, pw, 4 * words)
+    convolution backward). Patch rows pw words apart; ``wgrad_plan`` spaces
+    them for the launch, as ``launch_tiling`` does."""
+    for c, ph, pw, cc, kc_pad, _ in _layouts(g):
+        smem = _wgrad_smem(n_passes, cc, ph, pw)
+        if kc_pad <= WGRAD_DEPTH and smem is not None:
+            return _tiling(g, c, cc, WGRAD_DEPTH, ph, pw, smem)
     return None
+
+
+def _patch_wavefronts(g: Geometry, kernel: str, tl: Tiling, stride: int) -> int:
+    """Shared-memory wavefronts of the patch loads in one step of a kernel's
+    MMA loop, for patch rows ``stride`` words apart; a load takes as many
+    wavefronts as the most distinct words in one of the 32 banks.
+
+    "forward" (cuda/conv2d.cu): lane (g, t) reads position g (and g + 8) at
+    depth k0 + t (and k0 + t + 4), summed over the depth steps k0.
+    "wgrad" (cuda/conv2d_wgrad.cu, wgrad_step): lane (g, t) of load q in
+    column tile j reads depth 8j + g at position 2t + q, summed over the
+    column tiles, both loads and, for one-row tiles (a ring of rows), every
+    rotation of the ring. Depth past the chunk's reads the zero plane.
+    """
+    khw, ph, cc, kc_pad = g.kh * g.kw, tl.patch_h, tl.cc, tl.kc_pad
+    plane = ph * stride
+    sw, dh, dw = g.stride[1], g.dilation[0], g.dilation[1]
+    ring = kernel == "wgrad" and tl.c_log2 == 7
+    total = 0
+    for base in range(ph) if ring else (0,):
+        offs = []
+        for k in range(kc_pad):
+            if k < cc * khw:
+                ci, rs = divmod(k, khw)
+                r, s = divmod(rs, g.kw)
+                offs.append(ci * plane + (base + r * dh) % ph * stride + s * dw)
+            else:
+                offs.append(cc * plane)
+        if kernel == "wgrad":
+            loads = [[off + (2 * t + q) * sw for off in offs[j : j + 8] for t in range(4)]
+                     for j in range(0, kc_pad, 8) for q in range(2)]  # fmt: skip
+        else:
+            loads = [[(g8 + m) * sw + offs[k0 + h + t] for m in range(8) for t in range(4)]
+                     for k0 in range(0, kc_pad, 8) for h in (0, 4) for g8 in (0, 8)]  # fmt: skip
+        for words in loads:
+            banks: dict[int, set[int]] = {}
+            for a in words:
+                banks.setdefault(a % 32, set()).add(a)
+            total += max(len(v) for v in banks.values())
+    return total
 
 
 def wgrad_fits(g: Geometry, n_passes: int) -> bool:
@@ -433,9 +551,36 @@ def wgrad_chunks(g: Geometry, n_passes: int) -> int:
     return math.ceil(g.cin / tl.cc)
 
 
+def wgrad_bulk(g: Geometry, tl: Tiling, channels_last: bool, sm: int, itemsize: int) -> bool:
+    """Whether the bulk-copy path may run (the pointers' 16-byte alignment is
+    checked per launch): compute capability ``sm`` (e.g. 90) at least 9.0,
+    NCHW, a tile's positions in each channel one run of dy (one-row tiles,
+    C = 128, or whole rows, C = the output width) starting at an even
+    element (the output width even), and dy a whole number of 16-byte units
+    (each line's run is copied widened to whole units: none reaches past dy)."""
+    cols = 1 << tl.c_log2
+    return (
+        sm >= 90
+        and not channels_last
+        and g.ow % 2 == 0
+        and (cols == TILE_M or g.ow == cols)
+        and (g.n * g.cout * g.oh * g.ow * itemsize) % 16 == 0
+    )
+
+
+def wgrad_bulk_smem(dtype: str, tl: Tiling) -> int:
+    """The bulk-copy path's shared memory: the register path's less its dz
+    tile, plus per stage (WGRAD_STAGES) a buffer of raw dy (TILE_M + 8
+    elements per line), the mask words that hold each line's bits (32 bytes
+    per line) and an mbarrier, and the realigned mask (16 bytes per line)."""
+    stage = TILE_N * (TILE_M + 8) * ITEMSIZE[dtype] + TILE_N * 32 + 8
+    return tl.smem - 4 * TILE_N * DZ_STRIDE + WGRAD_STAGES * stage + TILE_N * 16
+
+
 class WgradPlan(NamedTuple):
     """One weight-gradient launch: tiling, the split of the tiles, the grid and
-    the float32 scratch it needs (partial sums per split)."""
+    the float32 scratch it needs (partial sums per split); bulk_smem the
+    bulk-copy kernel's shared memory where that path may run, else 0."""
 
     tiling: Tiling
     n_passes: int
@@ -443,6 +588,7 @@ class WgradPlan(NamedTuple):
     splits: int
     grid: tuple[int, int]
     part_floats: int
+    bulk_smem: int
 
 
 _wgrad_plans: dict[tuple, WgradPlan] = {}
@@ -459,16 +605,23 @@ def wgrad_plan(device: int, dtype: str, precision: str, channels_last: bool, g: 
         return plan
     tl = wgrad_tiling(g, n_passes)
     assert tl is not None, "callers check wgrad_fits()"
-    main, _ = wgrad_kernels(device, dtype, n_passes, channels_last)
-    _allow_smem(main, tl.smem)
+    tl = _spaced(g, "wgrad", tl, lambda w: _wgrad_smem(n_passes, tl.cc, tl.patch_h, w))
+    ks = wgrad_kernels(device, dtype, n_passes, channels_last)
+    _allow_smem(ks.main, tl.smem)
+    resident = _blocks(device, ks.main, tl.smem)
+    bulk_smem = 0
+    if ks.bulk is not None and wgrad_bulk(g, tl, channels_last, _sm(device), ITEMSIZE[dtype]):
+        bulk_smem = wgrad_bulk_smem(dtype, tl)
+        _allow_smem(ks.bulk, bulk_smem)
+        resident = _blocks(device, ks.bulk, bulk_smem)
     tiles = g.n * tl.tiles_h * tl.tiles_w
     columns = math.ceil(g.cout / TILE_N) * math.ceil(g.cin / tl.cc)
-    splits = max(1, min(tiles, _blocks(device, main, tl.smem) // columns))
+    splits = max(1, min(tiles, resident // columns))
     per = max(1, -(-tiles // splits))
     splits = max(1, -(-tiles // per))  # no empty split
     k_total = g.cin * g.kh * g.kw
     floats = splits * g.cout * (k_total + 1)
-    plan = WgradPlan(tl, n_passes, per, splits, (splits, columns), floats)
+    plan = WgradPlan(tl, n_passes, per, splits, (splits, columns), floats, bulk_smem)
     _wgrad_plans[key] = plan
     return plan
 
@@ -498,7 +651,12 @@ def launch_wgrad(
     (NCHW or NHWC, the mask in dy's memory order), gw OIHW, ``part`` a float32
     buffer of ``plan.part_floats``. Every element of gw and gb is written."""
     slope, scale = kernel_scalars("div_leaky_relu", negative_slope, divisor, False, fname)
-    main, finish = wgrad_kernels(device, dtype, plan.n_passes, channels_last)
+    ks = wgrad_kernels(device, dtype, plan.n_passes, channels_last)
+    # The bulk copies need dy and the mask 16-byte aligned; the register path
+    # runs the same splits in the same order: the same bits either way.
+    main, smem = ks.main, plan.tiling.smem
+    if plan.bulk_smem and dy % 16 == 0 and mask % 16 == 0 and ks.bulk is not None:
+        main, smem = ks.bulk, plan.bulk_smem
     positions = g.n * g.oh * g.ow
     splits = plan.splits if positions else 0  # no positions: the finish writes zeros
     s = _pack(
@@ -506,10 +664,10 @@ def launch_wgrad(
         plan.tiles_per_split, splits,
     )  # fmt: skip
     if positions:
-        _launch.run(main.ptr, main.ctx, plan.grid, THREADS, stream, s.argv_ptr, plan.tiling.smem)
+        _launch.run(main.ptr, main.ctx, plan.grid, THREADS, stream, s.argv_ptr, smem)
     outputs = g.cout * (g.cin * g.kh * g.kw + (1 if gb else 0))
     grid = (math.ceil(outputs / FINISH_THREADS), 1)
-    _launch.run(finish.ptr, finish.ctx, grid, FINISH_THREADS, stream, s.argv_ptr)
+    _launch.run(ks.finish.ptr, ks.finish.ctx, grid, FINISH_THREADS, stream, s.argv_ptr)
 
 
 # ---- the input gradient (conv2d_dgrad.cu) ----

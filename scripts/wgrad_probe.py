@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python scripts/wgrad_probe.py [--dtypes float32 float16]
         [--layouts nchw nhwc] [--algorithm fused] [--repeats 2]
-        [--variants kernel "no dy" "no dy, x"] [--base DIR] [--forward | --only-forward]
+        [--variants kernel "no dy" "no dy, x"] [--base DIR ...] [--forward | --only-forward]
+        [--padding 0]
 
 Nsight Compute's duration (``ncu`` must be on PATH; it locks the clocks, so
 the figures compare across variants on a noisy host) of one launch of
@@ -14,13 +15,14 @@ for copies of it with parts of the memory traffic taken out:
   no dy      dy and the mask not read: load_dz4 (NCHW) and the NHWC loads
              make up values from the index instead (same instructions after)
   no dy, x   also no input loads (NCHW patch copy: every load predicated off)
-  base       with --base DIR: DIR's cupy_act/ and cuda/ as they are (another
-             version, e.g. ``git archive`` of the last commit), to compare
+  DIR        with --base DIR ...: each DIR's cupy_act/ and cuda/ as they are
+             (other versions, e.g. ``git archive`` of the last commit), to
+             compare; the column is named after the directory
 
 The gaps bound what hiding those loads behind the MMAs can gain; what is left
 is the kernel's instruction-bound part (forming dz, splitting, the MMA loop).
 --forward adds the forward kernel (``conv2d_kernel``, same shape) for this
-version and the base; --only-forward times that alone. Rows repeat
+version and the bases; --only-forward times that alone. Rows repeat
 ``--repeats`` times, variants interleaved.
 """
 
@@ -81,7 +83,7 @@ def make_copy(edits: list[tuple[str, str]], where: Path) -> Path:
     return where
 
 
-def child(dtype_name: str, layout: str, algorithm: str, what: str) -> None:
+def child(dtype_name: str, layout: str, algorithm: str, what: str, padding: str) -> None:
     """Run the seed shape's weight gradient (or forward) three times (ncu times the second)."""
     import torch
 
@@ -94,12 +96,13 @@ def child(dtype_name: str, layout: str, algorithm: str, what: str) -> None:
         x = x.contiguous(memory_format=torch.channels_last)
     w = (torch.randn(64, 8, 3, 3, device="cuda", dtype=dt) * 0.1).requires_grad_()
     b = torch.randn(64, device="cuda", dtype=dt).requires_grad_()
-    y = ct.conv2d_div_leaky_relu(x, w, b, 2.0, 0.01, 1, 0, algorithm=algorithm)
+    pad = int(padding)
+    y = ct.conv2d_div_leaky_relu(x, w, b, 2.0, 0.01, 1, pad, algorithm=algorithm)
     gy = torch.randn_like(y)
     ct.conv.FUSED_WGRAD = True
     for _ in range(3):
         if what == "forward":
-            ct.conv2d_div_leaky_relu(x, w, b, 2.0, 0.01, 1, 0, algorithm=algorithm)
+            ct.conv2d_div_leaky_relu(x, w, b, 2.0, 0.01, 1, pad, algorithm=algorithm)
         else:
             torch.autograd.grad(y, (w, b), gy, retain_graph=True)
     torch.cuda.synchronize()
@@ -129,7 +132,8 @@ def table(title: str, dirs: dict[str, Path], kernel: str, what: str, args) -> No
                 for name, where in dirs.items():
                     if name == "no dy, x" and layout == "nhwc":
                         continue  # the NHWC patch copy is the forward's (conv2d_tiles.cuh)
-                    times[name].append(ncu_us(where, kernel, [dt, layout, args.algorithm, what]))
+                    cargs = [dt, layout, args.algorithm, what, str(args.padding)]
+                    times[name].append(ncu_us(where, kernel, cargs))
             cells = [f"{min(t):10.1f}" if t else f"{'-':>10s}" for t in times.values()]
             print(f"{dt:9s} {layout:6s} " + " ".join(cells), flush=True)
 
@@ -142,25 +146,27 @@ def main() -> None:
     ap.add_argument("--algorithm", default="fused", choices=["fused", "fused_tf32"])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    ap.add_argument("--base", type=Path, help="another version's cupy_act/ and cuda/")
+    ap.add_argument("--base", type=Path, nargs="+", default=[],
+                    help="other versions' cupy_act/ and cuda/")  # fmt: skip
     ap.add_argument("--forward", action="store_true", help="also the forward kernel")
     ap.add_argument("--only-forward", action="store_true", help="the forward kernel alone")
-    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--padding", type=int, default=0, help="the convolution's (seed: 0)")
+    ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(*args.child)
         return
     with tempfile.TemporaryDirectory() as tmp:
         dirs = {}
-        if args.base:
-            dirs["base"] = args.base.resolve()
+        for base in args.base:
+            dirs[base.name] = base.resolve()
         for i, name in enumerate(args.variants):
             dirs[name] = make_copy(VARIANTS[name], Path(tmp) / str(i))
         if not args.only_forward:
             table(f"conv2d_wgrad_kernel, {args.algorithm}", dirs, "conv2d_wgrad_kernel", "wgrad",
                   args)  # fmt: skip
         if args.forward or args.only_forward:
-            fwd = {k: v for k, v in dirs.items() if k in ("base", "kernel")}
+            fwd = {k: v for k, v in dirs.items() if k not in ("no dy", "no dy, x")}
             table(
                 f"conv2d_kernel (forward), {args.algorithm}", fwd, "conv2d_kernel", "forward", args
             )

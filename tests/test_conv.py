@@ -135,6 +135,40 @@ def test_tiling_fits_shared_memory(xs, ws, stride, padding, dilation):
     assert t.kc_pad % 8 == 0 and t.kc_pad >= t.cc * g.kh * g.kw and 1 <= t.cc <= g.cin
 
 
+@pytest.mark.parametrize("n_passes", [1, 3])
+@pytest.mark.parametrize("xs, ws, stride, padding, dilation", GEOMETRIES)
+def test_launch_tiling_spaces_patch_rows_within_the_same_limit(
+    xs, ws, stride, padding, dilation, n_passes
+):
+    """The launch's patch rows are 0-31 words further apart than ``tiling``'s,
+    the shared memory within the same limit, the rest unchanged, and the MMA
+    loads take no more wavefronts."""
+    g = _conv.geometry("f", xs, ws, stride, padding, dilation)
+    t, spaced = _conv.tiling(g, n_passes), _conv.launch_tiling(g, n_passes)
+    assert t.patch_w <= spaced.patch_w < t.patch_w + 32
+    assert spaced._replace(patch_w=t.patch_w, smem=t.smem) == t
+    limit = _conv.SMEM_TARGET[n_passes] if t.smem <= _conv.SMEM_TARGET[n_passes] else _conv.SMEM_MAX
+    assert spaced.smem <= limit
+    cost = _conv._patch_wavefronts
+    assert cost(g, "forward", t, spaced.patch_w) <= cost(g, "forward", t, t.patch_w)
+
+
+def test_seed_patch_loads_take_one_wavefront_each():
+    """At the seed shape (8 -> 64 channels, 3 x 3, 126 x 126 outputs), 130-word
+    patch rows put the forward's A loads 2 wavefronts deep and the weight
+    gradient's B loads up to 4; the spaced rows (138 and 139 words) take one
+    per load: 9 depth steps x 2 x 2 loads, and 3 ring rotations x 9 column
+    tiles x 2 loads."""
+    g = _conv.geometry("f", (128, 8, 128, 128), (64, 8, 3, 3))
+    t = _conv.tiling(g, 3)
+    assert t.patch_w == 130 and _conv.launch_tiling(g, 3).patch_w == 138
+    assert _conv._patch_wavefronts(g, "forward", t, 130) == 72
+    assert _conv._patch_wavefronts(g, "forward", t, 138) == 36
+    w = _conv.wgrad_tiling(g, 3)
+    assert _conv._patch_wavefronts(g, "wgrad", w, 130) == 164
+    assert _conv._patch_wavefronts(g, "wgrad", w, 139) == 54
+
+
 def test_tiling_splits_channels_evenly_and_refuses_what_cannot_fit():
     t = _conv.tiling(_conv.geometry("f", (1, 64, 56, 56), (64, 64, 3, 3), 1, 1), 1)
     chunks = -(-64 // t.cc)

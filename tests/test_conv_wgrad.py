@@ -191,6 +191,80 @@ def test_wide_cases_walk_runs_of_one_row_tiles():
         assert g.n * t.tiles_h * t.tiles_w > 2 * 132 * 3 // columns
 
 
+# Shapes the bulk-copy path takes (sm_90, NCHW, a tile's positions in each
+# channel one run of dy from an even element): the seed's 126-wide rows (runs
+# not 16-byte aligned), planes whose lines start at different offsets (98 x
+# 7: float32 runs 8 bytes in on every other line, mask bits anywhere in a
+# word), a short last tile (202 = 128 + 74 columns), two column tiles of
+# 256, two and four rows per tile (C = ow = 64, 32), stride 2, dilation,
+# 70 output channels (a second column tile of 6 lines), two chunks, batch 1,
+# and more tiles than the device runs blocks at once.
+BULK_CASES = [
+    ((2, 8, 16, 128), (64, 8, 3, 3), 1, 0, 1),
+    ((3, 3, 9, 100), (10, 3, 3, 3), 1, 0, 1),
+    ((2, 12, 8, 202), (20, 12, 3, 3), 1, 1, 1),
+    ((1, 3, 6, 256), (70, 3, 3, 3), 1, 1, 1),
+    ((3, 5, 34, 66), (16, 5, 3, 3), 1, 0, 1),
+    ((2, 2, 64, 64), (9, 2, 3, 3), 2, 1, 1),
+    ((2, 4, 34, 34), (12, 4, 3, 3), 1, 1, 2),
+    ((20, 6, 66, 130), (33, 6, 3, 3), 1, 0, 1),
+]
+
+
+def test_bulk_cases_take_the_bulk_path_and_others_do_not():
+    """wgrad_bulk accepts BULK_CASES on sm_90 and later for float32, NCHW
+    only; not sm_80, not odd output widths (runs from odd elements), not 2
+    rows of a 128-wide output per tile, not a 16-bit dy of 41160 bytes (the
+    last run's 16-byte unit would reach past it)."""
+    for xs, ws, stride, padding, dilation in BULK_CASES:
+        g = _conv.geometry("f", xs, ws, stride, padding, dilation)
+        for n_passes in (1, 3):
+            t = _conv.wgrad_tiling(g, n_passes)
+            assert _conv.wgrad_bulk(g, t, False, 90, 4) and _conv.wgrad_bulk(g, t, False, 120, 4)
+            assert not _conv.wgrad_bulk(g, t, False, 89, 4)
+            assert not _conv.wgrad_bulk(g, t, True, 90, 4)
+            assert _conv.wgrad_bulk_smem("float32", t) <= _conv.WGRAD_SMEM
+    g = _conv.geometry("f", (3, 3, 9, 100), (10, 3, 3, 3))  # 3 x 10 x 7 x 98 elements
+    t = _conv.wgrad_tiling(g, 1)
+    assert not _conv.wgrad_bulk(g, t, False, 90, 2)
+    odd = _conv.geometry("f", (1, 3, 5, 103), (8, 3, 3, 3))  # 101 columns
+    assert not _conv.wgrad_bulk(odd, _conv.wgrad_tiling(odd, 3), False, 90, 4)
+    g = _conv.geometry("f", (1, 3, 4, 130), (8, 3, 3, 3))
+    half = _conv.wgrad_tiling(g, 3)._replace(c_log2=6)  # 2 x 64 of a 128-wide output
+    assert not _conv.wgrad_bulk(g, half, False, 90, 4)
+
+
+@gpu
+@pytest.mark.parametrize("dtype, algorithm", FUSED_KINDS)
+@pytest.mark.parametrize("case", range(len(BULK_CASES)), ids=[f"bulk{i}" for i in range(8)])
+def test_bulk_copy_path_accuracy_and_bits(case, dtype, algorithm):
+    """The bulk-copy path (where the device has it) within the float64 bound,
+    and bit for bit the register path's result (dy moved off 16-byte
+    alignment takes that path: the same splits in the same order)."""
+    xs, ws, stride, padding, dilation = BULK_CASES[case]
+    tf32 = algorithm == "fused_tf32"
+    x, w, b, mask, spd, gy, dz = block_inputs(
+        xs, ws, stride, padding, dilation, dtype, algorithm, False, 300 + case, 400 + case
+    )
+    g = _conv.geometry("f", xs, ws, *spd)
+    plan = _conv.wgrad_plan(x.get_device(), _impl.DTYPE_NAMES[dtype], "tf32" if tf32 else "fp32",
+                            False, g)  # fmt: skip
+    major, minor = torch.cuda.get_device_capability()
+    bulk = _conv.wgrad_bulk(g, plan.tiling, False, 10 * major + minor, x.element_size())
+    assert (plan.bulk_smem > 0) == bulk
+    assert bulk or major < 9 or (case == 1 and dtype != torch.float32)
+    args = (list(w.shape), True, DIVISOR, SLOPE, *spd, tf32)
+    gw, gb = conv.fused_wgrad(x, gy, mask, *args)
+    for ours, (ref, tol) in zip((gw, gb), wgrad_bound(x, dz, w.shape, spd, dtype, tf32)):
+        assert_within(ours, ref, tol)
+    buf = torch.full((gy.numel() + 1,), float("nan"), device="cuda", dtype=dtype)
+    moved = buf[1:].view(gy.shape)
+    moved.copy_(gy)
+    assert moved.data_ptr() % 16 != 0
+    for a, e in zip(conv.fused_wgrad(x, moved, mask, *args), (gw, gb)):
+        testing.assert_bits_equal(a, e)
+
+
 @gpu
 @pytest.mark.parametrize("cl", [False, True], ids=["nchw", "nhwc"])
 @pytest.mark.parametrize("algorithm", ["fused", "fused_tf32"])
@@ -406,7 +480,7 @@ def _probe_ptx(cuda: Path, monkeypatch) -> dict[str, str]:
     text = _source.assembled_source.__wrapped__(_conv.WGRAD_SOURCE)
     out = {}
     for layout, cl in (("nchw", "false"), ("nhwc", "true")):
-        name = f"cupy_act::conv2d_wgrad_kernel<float, 3, {cl}>"
+        name = f"cupy_act::conv2d_wgrad_kernel<float, 3, {cl}, 0>"
         prog = nvrtc.createProgram(text, "probe.cu", (), ())
         try:
             nvrtc.addNameExpression(prog, name)
