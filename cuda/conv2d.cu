@@ -3,7 +3,8 @@
 //   conv2d_kernel<T, kPasses, kChannelsLast>
 //     y = leaky_relu((conv2d(x, w) + bias) / divisor, slope)    written once
 //
-// An implicit GEMM on tensor cores (mma.sync m16n8k8 TF32, sm_80 and later):
+// An implicit GEMM on tensor cores (TF32; on sm_90a warpgroup MMAs, wgmma.cuh,
+// elsewhere mma.sync m16n8k8, sm_80 and later):
 //   rows    m = output positions (n, oh, ow)
 //   columns j = output channels co
 //   depth   k = (ci, kh, kw), the weight's OIHW order
@@ -19,6 +20,15 @@
 // Depth padded up to a multiple of 8 points koff at a plane of zeros, so inf
 // and NaN in x never meet a padding weight. Operands are converted (and, with
 // three passes, split) once, when they are copied in.
+// MMAs: with mma.sync warp (wm, wn) takes 64 positions x 32 channels, loading
+// both operands' fragments; with wgmma (compute capability 9.0, where _conv
+// compiles for sm_90a) the block is one warpgroup, two m64n64k8 MMAs per
+// depth step (positions 0-63, 64-127), A fragments from the patch as before,
+// the weights read by the tensor cores from shared memory (stored as K-major
+// core matrices), the next step's A loading while a step's MMAs run. Per
+// element the terms sum in the same order; the tensor cores' internal sums
+// of 8 products may round differently from mma.sync's, so the two paths
+// agree to FP32 accuracy, not bit for bit (each is deterministic).
 //
 // Precision. kPasses = 3 is the 3xTF32 split: every float a is a_big + a_small
 // with a_big = tf32(a) and a_small = a - a_big (exact; the tensor cores read
@@ -51,6 +61,7 @@
 // cover entirely is stored, the words at either end are OR-ed in atomically,
 // since a neighbour owns their other bits (put_mask_word).
 #include "conv2d_tiles.cuh"
+#include "wgmma.cuh"
 #include "params.cuh"
 #include "activations.cuh"
 
@@ -123,6 +134,62 @@ __device__ __forceinline__ void mma_step(float (&acc)[4][4][4], const u32 (&a)[2
   for (int i = 0; i < 4; ++i)
 #pragma unroll
     for (int j = 0; j < 4; ++j) mma_tf32(acc[i][j], a[0][i], b[0][j]);
+}
+
+// The wgmma path's A fragments for one depth step: M-half h, part [0] big,
+// [1] small, q as in mma_step's (row g or g + 8, depth t or t + 4).
+template <int kParts>
+__device__ __forceinline__ void wgmma_load_a(u32 (&a)[2][2][4], const u32 (&addr)[2][2], u32 ko0,
+                                             u32 ko1) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      lds<kParts, kPatchPart * 4>(addr[h][q & 1] + (q < 2 ? ko0 : ko1), a[h][0][q], a[h][1][q]);
+}
+
+// acc[h] += A_h B over one depth step, issued (not waited for): per element
+// the terms in mma_step's order, small ones first.
+template <int kPasses>
+__device__ __forceinline__ void wgmma_step(float (&acc)[2][32], const u32 (&a)[2][2][4], u64 b) {
+  constexpr u64 kSmall = kWeightPart * 4 / 16;  // the weights' small part, in descriptor units
+  wgmma_fence();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (kPasses == 3) {
+      wgmma_tf32(acc[h], a[h][1], b);
+      wgmma_tf32(acc[h], a[h][0], b + kSmall);
+    }
+    wgmma_tf32(acc[h], a[h][0], b);
+  }
+  wgmma_commit();
+}
+
+// One chunk's depth on the warpgroup MMAs: B (the weights) at descriptor b0
+// for depth 0 (a depth step of 8 is 256 bytes on), A from the patch at
+// addr[h][r] + koff. The next step's A fragments load while a step's MMAs
+// run (two register sets).
+template <int kPasses>
+__device__ __forceinline__ void wgmma_chunk(float (&acc)[2][32], const u32 (&addr)[2][2],
+                                            const int* koff, u64 b0, int kc_pad, int t) {
+  constexpr int kParts = kPasses == 3 ? 2 : 1;
+  u32 a0[2][2][4], a1[2][2][4];
+  wgmma_load_a<kParts>(a0, addr, koff[t], koff[t + 4]);
+  for (int k0 = 0; k0 < kc_pad; k0 += 16) {
+    wgmma_step<kPasses>(acc, a0, b0 + 2 * k0);
+    const bool more = k0 + 8 < kc_pad;
+    if (more) wgmma_load_a<kParts>(a1, addr, koff[k0 + 8 + t], koff[k0 + 12 + t]);
+    wgmma_wait_all();
+    wgmma_hold(acc[0]);
+    wgmma_hold(acc[1]);
+    if (more) {
+      wgmma_step<kPasses>(acc, a1, b0 + 2 * (k0 + 8));
+      if (k0 + 16 < kc_pad) wgmma_load_a<kParts>(a0, addr, koff[k0 + 16 + t], koff[k0 + 20 + t]);
+      wgmma_wait_all();
+      wgmma_hold(acc[0]);
+      wgmma_hold(acc[1]);
+    }
+  }
 }
 
 // The first `valid` of N consecutive elements (N a multiple of 4) to dst:
@@ -226,6 +293,38 @@ __device__ __forceinline__ u32 tile_word4x4(const u32 (&nib)[4], int j) {
   return z | __shfl_xor_sync(0xffffffffu, z, 1);
 }
 
+// The weights of the chunk from input channel c0 (depth [c0 kh kw, + kc_pad),
+// zero past K and past cout) split into shared memory: for mma.sync k-major
+// rows of kWeightStride words; for wgmma [64][kc_pad] K-major core matrices
+// (wgmma_b_word), a warp per core matrix (8 channels x 4 depths: 128
+// contiguous bytes stored).
+template <typename T, int kPasses>
+__device__ __forceinline__ void load_weights(u32* bs, const ConvParams& p, const T* w, int tile_n,
+                                             int c0, int tid) {
+  const int lane = tid & 31, warp = tid >> 5;
+  const int khw = p.kh * p.kw, kc = p.cc * khw, k_total = p.cin * khw, k_first = c0 * khw;
+  auto weight = [&](int r, int k) {
+    const int co = tile_n + r;
+    return co < p.cout && k < kc && k_first + k < k_total
+               ? Num<T>::to_op(w[(long long)co * k_total + k_first + k])
+               : 0.f;
+  };
+  if constexpr (kWgmma) {
+    const int kq = p.kc_pad >> 2;
+    for (int cm = warp; cm < (kBN / 8) * kq; cm += kConvThreads / 32) {
+      const int r = (cm / kq) * 8 + (lane >> 2), k = (cm % kq) * 4 + (lane & 3);
+      put_split<kPasses>(bs, cm * 32 + lane, kWeightPart, weight(r, k));
+    }
+    wgmma_fence_smem();  // the wgmmas read them through the async proxy
+  } else {
+    for (int r = warp; r < kBN; r += kConvThreads / 32) {
+#pragma unroll 4
+      for (int k = lane; k < p.kc_pad; k += 32)
+        put_split<kPasses>(bs, k * kWeightStride + r, kWeightPart, weight(r, k));
+    }
+  }
+}
+
 // Blocks per SM the registers must allow (the shared memory plan in
 // _conv.tiling matches): three with three passes, four with one, except on
 // sm_100 and later, where ptxas needs a few more than 128 registers.
@@ -246,39 +345,43 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
   const int g = lane >> 2, t = lane & 3;
   const int cols = 1 << p.c_log2;
   const int tile_n = blockIdx.y * kBN;
-  const int khw = p.kh * p.kw;
-  const int kc = p.cc * khw;
   const int plane = p.patch_h * p.patch_w;
-  const int k_total = p.cin * khw;
   const bool one_chunk = p.cin <= p.cc;  // the weights stay for every tile
 
   // Shared memory (see _conv.tiling): koff [kc_pad] | the patch, [cc + 1]
   // planes of PH x PW (the last one zero), then with three passes its small
   // parts at + kPatchPart; the epilogue tile reuses this space | the
-  // weights, [kc_pad][kWeightStride] (k-major), small parts at + kWeightPart.
+  // weights (load_weights), small parts at + kWeightPart.
   constexpr int kParts = kPasses == 3 ? 2 : 1;
   int* koff = reinterpret_cast<int*>(smem);
   u32* patch = reinterpret_cast<u32*>(smem) + p.kc_pad;
   const int patch_words = kParts == 2 ? 2 * kPatchPart : (p.cc + 1) * plane;
-  u32* bs = patch + (patch_words > kEpilogueFloats ? patch_words : kEpilogueFloats);
+  // (16-byte aligned: the wgmma descriptors address it in 16-byte units)
+  u32* bs = patch + ((patch_words > kEpilogueFloats ? patch_words : kEpilogueFloats) + 3 & ~3);
   constexpr int kBS = kWeightStride;
 
   build_koff(koff, p, tid);
 
-  // Shared addresses of this thread's eight A rows (4 row tiles x g, g + 8)
-  // at depth 0, and of its B column at depth t.
+  // Shared addresses of this thread's A rows at depth 0: with mma.sync eight
+  // (4 row tiles x g, g + 8), with wgmma (sm_90a) four, warp w's rows of
+  // M-half h being 64 h + 16 w + g (+ 8); with mma.sync its B column at depth
+  // t. (wgmma: the weights [64][kc_pad] K-major, wgmma_b_word, 8-channel
+  // groups kc_pad * 8 words apart.)
   const int wm = warp & 1, wn = warp >> 1;
   const u32 patch_addr = (u32)__cvta_generic_to_shared(patch);
-  u32 a_addr[4][2];
+  auto row_addr = [&](int ml) {  // output position ml of the tile
+    return patch_addr + ((ml >> p.c_log2) * p.sh * p.patch_w + (ml & (cols - 1)) * p.sw) * 4;
+  };
+  u32 a_addr[4][2], a_wg[2][2];
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int ml = wm * 64 + i * 16 + g + h * 8;
-      const int e = (ml >> p.c_log2) * p.sh * p.patch_w + (ml & (cols - 1)) * p.sw;
-      a_addr[i][h] = patch_addr + e * 4;
+      a_addr[i][h] = row_addr(wm * 64 + i * 16 + g + h * 8);
+      if (i < 2) a_wg[i][h] = row_addr(i * 64 + warp * 16 + g + h * 8);
     }
   const u32 b_addr = (u32)__cvta_generic_to_shared(bs) + (t * kBS + wn * 32 + g) * 4;
+  const u64 b_desc = wgmma_desc((u32)__cvta_generic_to_shared(bs), p.kc_pad * 32);
 
   Params ap;  // the elementwise functor's scalars, in registers (see in_register)
   ap.slope = in_register(p.slope);
@@ -313,13 +416,16 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
     const int ih_base = oh0 * p.sh - p.ph, iw_base = ow0 * p.sw - p.pw;
     const T* xn = x + (long long)n * image;
 
-    float acc[4][4][4];
+    float acc[4][4][4], wacc[2][32];  // mma.sync's, wgmma's
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
+        for (int q = 0; q < 4; ++q) {
+          acc[i][j][q] = 0.f;
+          wacc[i >> 1][(i & 1) * 16 + j * 4 + q] = 0.f;
+        }
 
     for (int c0 = 0; c0 < p.cin; c0 += p.cc) {
       __syncthreads();  // the previous MMAs and epilogue are done with shared memory
@@ -327,38 +433,30 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
         for (int i = tid; i < plane; i += kConvThreads)
           put_split<kPasses>(patch, p.cc * plane + i, kPatchPart, 0.f);
       load_patch<T, kPasses, kChannelsLast>(patch, p, xn, c0, ih_base, iw_base, tid);
-      // The chunk's weights, k-major: depth [c0 * kh * kw, + kc_pad), zero past K.
-      if (!one_chunk || tile == (int)blockIdx.x) {
-        const int k_first = c0 * khw;
-        for (int r = warp; r < kBN; r += kConvThreads / 32) {
-          const int co = tile_n + r;
-#pragma unroll 4
-          for (int k = lane; k < p.kc_pad; k += 32) {
-            const float v = co < p.cout && k < kc && k_first + k < k_total
-                                ? Num<T>::to_op(w[(long long)co * k_total + k_first + k])
-                                : 0.f;
-            put_split<kPasses>(bs, k * kBS + r, kWeightPart, v);
-          }
-        }
-      }
+      if (!one_chunk || tile == (int)blockIdx.x)
+        load_weights<T, kPasses>(bs, p, w, tile_n, c0, tid);
       __syncthreads();
 
-      for (int k0 = 0; k0 < p.kc_pad; k0 += 8) {
-        const u32 ko0 = koff[k0 + t], ko1 = koff[k0 + t + 4];
-        const u32 kb = b_addr + k0 * kBS * 4;
-        u32 a[2][4][4], b[2][4][2];
+      if constexpr (kWgmma) {
+        wgmma_chunk<kPasses>(wacc, a_wg, koff, b_desc, p.kc_pad, t);
+      } else {
+        for (int k0 = 0; k0 < p.kc_pad; k0 += 8) {
+          const u32 ko0 = koff[k0 + t], ko1 = koff[k0 + t + 4];
+          const u32 kb = b_addr + k0 * kBS * 4;
+          u32 a[2][4][4], b[2][4][2];
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+          for (int i = 0; i < 4; ++i)
 #pragma unroll
-          for (int q = 0; q < 4; ++q)  // q: (row g or g + 8) x (depth t or t + 4)
-            lds<kParts, kPatchPart * 4>(a_addr[i][q & 1] + (q < 2 ? ko0 : ko1), a[0][i][q],
-                                        a[1][i][q]);
+            for (int q = 0; q < 4; ++q)  // q: (row g or g + 8) x (depth t or t + 4)
+              lds<kParts, kPatchPart * 4>(a_addr[i][q & 1] + (q < 2 ? ko0 : ko1), a[0][i][q],
+                                          a[1][i][q]);
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+          for (int j = 0; j < 4; ++j)
 #pragma unroll
-          for (int q = 0; q < 2; ++q)  // q: depth t or t + 4
-            lds<kParts, kWeightPart * 4>(kb + (q * 4 * kBS + j * 8) * 4, b[0][j][q], b[1][j][q]);
-        mma_step<kPasses>(acc, a, b);
+            for (int q = 0; q < 2; ++q)  // q: depth t or t + 4
+              lds<kParts, kWeightPart * 4>(kb + (q * 4 * kBS + j * 8) * 4, b[0][j][q], b[1][j][q]);
+          mma_step<kPasses>(acc, a, b);
+        }
       }
     }
     __syncthreads();  // done with the patch: the epilogue tile takes its place
@@ -371,9 +469,14 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-          const int ml = wm * 64 + i * 16 + g + (q >> 1) * 8;
-          const int nl = wn * 32 + j * 8 + 2 * t + (q & 1);
-          ct[kChannelsLast ? ml * kCSL + nl : nl * kCS + ml] = acc[i][j][q];
+          // mma.sync: warp (wm, wn)'s row tile i, column tile j; wgmma: M-half
+          // i / 2, column tile 4 (i % 2) + j
+          const int ml = kWgmma ? (i >> 1) * 64 + warp * 16 + g + (q >> 1) * 8
+                                : wm * 64 + i * 16 + g + (q >> 1) * 8;
+          const int nl =
+              kWgmma ? ((i & 1) * 4 + j) * 8 + 2 * t + (q & 1) : wn * 32 + j * 8 + 2 * t + (q & 1);
+          const float v = kWgmma ? wacc[i >> 1][(i & 1) * 16 + j * 4 + q] : acc[i][j][q];
+          ct[kChannelsLast ? ml * kCSL + nl : nl * kCS + ml] = v;
         }
     __syncthreads();
 

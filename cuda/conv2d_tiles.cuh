@@ -225,14 +225,22 @@ __device__ __forceinline__ int ring_slot(int base, int l, int ph) {
   return s >= ph ? s - ph : s;
 }
 
+// x / d for 0 <= x, x d < 2^32, with m = div_magic(d): one multiply-high
+// (m = ceil(2^32 / d); d = 1 passes x through).
+__device__ __forceinline__ u32 div_magic(u32 d) { return 0xffffffffu / d + 1u; }
+__device__ __forceinline__ int div_by(int x, int d, u32 m) {
+  return d == 1 ? x : (int)__umulhi((u32)x, m);
+}
+
 // load_patch's NCHW case for the weight gradient, logical rows l0 .. l0 + nr
 // - 1 of each channel (the others are still in the ring from the previous
 // tile), row l into slot ring_slot(base, l). The block's threads walk
 // (row, 4-column group) items kBatch at a time, all loads of a batch issued
 // before any conversion; a thread's items advance by kConvThreads, (row,
-// group) carried forward without a division. vec: the rows' 4-element
-// vectors line up with the groups (w_in % 4 == 0, iw_base % 4 == 0, x
-// aligned), so a group inside the image is one vector load.
+// group) carried forward without a division, the row's channel by a
+// multiply-high (div_by). vec: the rows' 4-element vectors line up with the
+// groups (w_in % 4 == 0, iw_base % 4 == 0, x aligned), so a group inside the
+// image is one vector load.
 template <typename T, int kPasses, int kBatch>
 __device__ __forceinline__ void load_patch_nchw(u32* patch, const ConvParams& p, const T* xn,
                                                 int c0, int ih_base, int iw_base, int tid,
@@ -240,13 +248,14 @@ __device__ __forceinline__ void load_patch_nchw(u32* patch, const ConvParams& p,
   const int groups = (p.patch_w + 3) >> 2;
   const int rows = p.cc * nr;
   const int step_row = kConvThreads / groups, step_group = kConvThreads - step_row * groups;
+  const u32 mr = div_magic(nr);
   int row = tid / groups, group = tid - row * groups;
   while (row < rows) {
     float v[kBatch][4];
     int it_dst[kBatch], it_pc[kBatch];  // the item's patch row (-1: none) and column
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      const int c = row / nr, l = l0 + row - c * nr, ih = ih_base + l;
+      const int c = div_by(row, nr, mr), l = l0 + row - c * nr, ih = ih_base + l;
       it_dst[b] = row < rows ? c * p.patch_h + ring_slot(base, l, p.patch_h) : -1;
       it_pc[b] = group * 4;
       const int iw = iw_base + group * 4;

@@ -226,7 +226,8 @@ def _forward_smem(n_passes: int, cc: int, kc_pad: int, ph: int, pw: int) -> int 
         if part > PATCH_PART or kc_pad > 72:
             return None
         return 4 * (kc_pad + max(2 * PATCH_PART, EPILOGUE_FLOATS) + 2 * WEIGHT_PART)
-    return 4 * (kc_pad + max(part, EPILOGUE_FLOATS) + kc_pad * WEIGHT_STRIDE)
+    # (the weights start 16-byte aligned: conv2d.cu rounds up to 4 words)
+    return 4 * (kc_pad + -(-max(part, EPILOGUE_FLOATS) // 4) * 4 + kc_pad * WEIGHT_STRIDE)
 
 
 @functools.lru_cache(maxsize=4096)  # (a Python search: cached per shape)
@@ -305,11 +306,20 @@ _smem_set: dict[int, int] = {}  # CUfunction -> dynamic shared memory allowed so
 _resident: dict[tuple, int] = {}  # (device, CUfunction, smem) -> blocks the device holds at once
 
 
+def arch_options(sm: int) -> tuple[str, ...]:
+    """NVRTC options for a device of compute capability ``sm`` (9.0: 90): the
+    arch-specific sm_90a target on 9.0 devices, where the forward runs on
+    warpgroup MMAs (cuda/wgmma.cuh; CuPy's own -arch=sm_90 then adds nothing);
+    none elsewhere (mma.sync)."""
+    return ("-arch=sm_90a",) if sm == 90 else ()
+
+
 def _load(device: int, module_key, source: str, names) -> list[ConvKernel]:
     """``names`` from the module ``module_key`` of ``source`` on ``device``
     (compiled, or loaded from CuPy's disk cache, on first use); callers hold
     _lock."""
-    ctx, functions = _loader.load_module(_modules, module_key, source, list(names), device)
+    extra = arch_options(_sm(device))
+    ctx, functions = _loader.load_module(_modules, module_key, source, list(names), device, extra)
     return [ConvKernel(f.kernel.ptr, ctx, f.kernel) for f in functions]
 
 

@@ -131,19 +131,22 @@ def cache_dir_problem() -> str | None:
     return None
 
 
-def load_module(modules: dict, key, source: str, names: list[str], device: int):
-    """(context, the cupy Functions of ``names``) from ``modules[key]`` on ``device``:
-    a RawModule of the CUDA file ``source``, built on first use (compiled, or
-    loaded from CuPy's disk cache), in the device's primary context. For the
-    modules outside the elementwise ones (the fused convolution, BatchNorm);
-    callers hold their own lock."""
+def load_module(
+    modules: dict, key, source: str, names: list[str], device: int, extra: tuple[str, ...] = ()
+):
+    """(context, the cupy Functions of ``names``) from ``modules[(key, extra)]`` on
+    ``device``: a RawModule of the CUDA file ``source``, built on first use
+    (compiled with the NVRTC options ``extra`` added, or loaded from CuPy's disk
+    cache), in the device's primary context. For the modules outside the
+    elementwise ones (the fused convolution, BatchNorm); callers hold their own
+    lock."""
     import cupy
     from cupy.cuda import driver
 
-    module = modules.get(key)
+    module = modules.get((key, extra))
     if module is None:
-        module = modules[key] = cupy.RawModule(
-            code=assembled_source(source), options=("--std=c++17",), name_expressions=names
+        module = modules[(key, extra)] = cupy.RawModule(
+            code=assembled_source(source), options=("--std=c++17", *extra), name_expressions=names
         )
     with cupy.cuda.Device(device):
         cupy.cuda.runtime.setDevice(device)  # make the primary context current
