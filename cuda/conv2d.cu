@@ -357,7 +357,7 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
   u32* patch = reinterpret_cast<u32*>(smem) + p.kc_pad;
   const int patch_words = kParts == 2 ? 2 * kPatchPart : (p.cc + 1) * plane;
   // (16-byte aligned: the wgmma descriptors address it in 16-byte units)
-  u32* bs = patch + ((patch_words > kEpilogueFloats ? patch_words : kEpilogueFloats) + 3 & ~3);
+  u32* bs = patch + (((patch_words > kEpilogueFloats ? patch_words : kEpilogueFloats) + 3) & ~3);
   constexpr int kBS = kWeightStride;
 
   build_koff(koff, p, tid);
