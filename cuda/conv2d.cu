@@ -97,22 +97,31 @@ __device__ __forceinline__ MaskLane mask_lane(int lane0, int stride, int first, 
 // stored, the words at either end are OR-ed in atomically (a neighbouring
 // warp or block owns their other bits; the buffer starts zeroed, so zero
 // words are skipped).
-__device__ __forceinline__ void put_mask_word(u32* mask, u32 word, const MaskLane& m,
-                                              long long e, int len) {
-  u32 hi = __shfl_sync(0xffffffffu, word, m.src_hi);
-  u32 lo = __shfl_sync(0xffffffffu, word, m.src_lo);
-  if (!m.use_hi) hi = 0u;
-  if (!m.use_lo) lo = 0u;
-  // output word k = (tile word k << sh) | (tile word k - 1 >> (32 - sh))
-  const u32 out = __funnelshift_l(lo, hi, (int)(e & 31));
-  const long long w0 = e >> 5;
-  const int words = (int)(((e + len - 1) >> 5) - w0) + 1;
-  if (len <= 0 || m.k >= words || out == 0u) return;
-  const long long wi = w0 + m.k;
-  if ((wi << 5) >= e && ((wi + 1) << 5) <= e + len)
-    mask[wi] = out;
-  else
-    atomicOr(mask + wi, out);
+//
+// Output word k of the stretch [e, e + len) is (tile word k << sh) | (tile
+// word k - 1 >> (32 - sh)), sh = e % 32: store_mask_word takes those two
+// (hi, lo; zero where the stretch has none). Bits outside the stretch are
+// dropped (the wgmma epilogue leaves them unset only inside it).
+__device__ __forceinline__ void store_mask_word(u32* mask, u32 hi, u32 lo, int k, long long e,
+                                                int len) {
+  const int sh = (int)(e & 31), end = sh + len - 32 * k;  // the stretch's end, in word k's bits
+  if (len <= 0 || end <= 0) return;
+  u32* dst = mask + (e >> 5) + k;
+  const u32 out = __funnelshift_l(lo, hi, sh);
+  const int from = k == 0 ? sh : 0;
+  if (from == 0 && end >= 32) {
+    if (out != 0u) *dst = out;
+  } else {
+    const u32 part = out & (0xffffffffu >> (32 - min(end, 32))) & (0xffffffffu << from);
+    if (part != 0u) atomicOr(dst, part);
+  }
+}
+
+__device__ __forceinline__ void put_mask_word(u32* mask, u32 word, const MaskLane& m, long long e,
+                                              int len) {
+  const u32 hi = __shfl_sync(0xffffffffu, word, m.src_hi);
+  const u32 lo = __shfl_sync(0xffffffffu, word, m.src_lo);
+  store_mask_word(mask, m.use_hi ? hi : 0u, m.use_lo ? lo : 0u, m.k, e, len);
 }
 
 // acc += a * b over one depth step of 8 ([0] big, [1] small parts): big *
@@ -230,6 +239,16 @@ __device__ __forceinline__ void store_n(T* dst, const T (&e)[N], int valid) {
   }
 }
 
+// One output element from its convolution sum a: rounded to T (the
+// convolution's output), plus the bias b (if `has_bias`), through op.forward.
+template <typename T, typename Op>
+__device__ __forceinline__ T epilogue_value(float a, const Op& op, bool has_bias, T b,
+                                            typename Num<T>::op_t alpha, bool& bit) {
+  T v = Num<T>::from_op(a);
+  if (has_bias) v = add_bias(v, b, alpha);
+  return op.forward(v, bit);
+}
+
 // The epilogue of a run of 4 consecutive output elements: the tile's values
 // at src (16-byte aligned, shared memory) rounded to T, plus the bias b[j]
 // (if `has_bias`), through op.forward; the first `valid` stored to dst.
@@ -245,10 +264,8 @@ __device__ __forceinline__ u32 epilogue_run4(const float* src, T* dst, int valid
   u32 bits = 0;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    T v = Num<T>::from_op(in[j]);
-    if (has_bias) v = add_bias(v, b[j], alpha);
     bool bit;
-    out[j] = op.forward(v, bit);
+    out[j] = epilogue_value(in[j], op, has_bias, b[j], alpha, bit);
     bits |= (u32)bit << j;
   }
   store_n(dst, out, valid);
@@ -291,6 +308,225 @@ __device__ __forceinline__ u32 tile_word4x4(const u32 (&nib)[4], int j) {
   const u32 y1 = (up ? x[3] : x[1]) | __shfl_xor_sync(0xffffffffu, up ? x[1] : x[3], 4);
   const u32 z = (odd ? y1 : y0) | __shfl_xor_sync(0xffffffffu, odd ? y0 : y1, 2);
   return z | __shfl_xor_sync(0xffffffffu, z, 1);
+}
+
+// ---- The wgmma path's epilogue, straight from the accumulators ----
+// Thread (warp, g, t) holds the tile's output positions P(h, r) = 64 h + 16
+// warp + g + 8 r (h, r = 0, 1; positions 16 warp .. + 15 of a half lie in one
+// tile row, as C >= 32) and channels tile_n + 8 j + 2 t + s (j = 0 .. 7, s =
+// 0, 1): acc[h][4 j + 2 r + s] (wgmma.cuh's D layout). Each value is stored
+// where it is (a warp's store covers 8 consecutive positions of 4 channels,
+// NCHW, or 8 channels of 8 positions, NHWC); no barrier, and the patch stays
+// in shared memory for the next tile (the ring of rows).
+
+// Input rows ih0 .. ih0 + nr - 1 of every channel of image xn, columns
+// iw_base .. + PW - 1 (those in the image), into L2: a prefetch per 128-byte
+// line, the block's threads over (row, line).
+template <typename T>
+__device__ __forceinline__ void prefetch_rows_l2(const ConvParams& p, const T* xn, int ih0, int nr,
+                                                 int iw_base, int tid) {
+  const int lo = max(iw_base, 0), hi = min(iw_base + p.patch_w, p.w_in);  // columns
+  if (hi <= lo) return;
+  constexpr int kPerLine = 128 / sizeof(T);
+  const int lines = (hi - lo + kPerLine - 1) / kPerLine + 1;  // (the first may be partial)
+  for (int i = tid; i < p.cc * nr * lines; i += kConvThreads) {
+    const int row = i / lines, line = i - row * lines, c = row / nr, ih = ih0 + row - c * nr;
+    if (c < p.cin && (unsigned)ih < (unsigned)p.h) {
+      const T* src = xn + ((long long)c * p.h + ih) * p.w_in + min(lo + line * kPerLine, hi - 1);
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(src));
+    }
+  }
+}
+
+// The block's bias values in shared memory, after the tile's mask words tw.
+template <typename T>
+__device__ __forceinline__ T* bias_s(u32* tw) {
+  return reinterpret_cast<T*>(tw + kTileMaskWords);
+}
+
+// Where the tile starts: image n, output row oh0, column ow0.
+struct TileAt {
+  int n, oh0, ow0;
+};
+
+__device__ __forceinline__ TileAt tile_at(const ConvParams& p, int tile) {
+  const int th = tile % p.tiles_h, tc = (tile / p.tiles_h) % p.tiles_w;
+  return {tile / (p.tiles_w * p.tiles_h), th * (kBM >> p.c_log2), tc << p.c_log2};
+}
+
+// Two consecutive elements to a (2 * sizeof(T))-byte aligned address.
+template <typename T>
+__device__ __forceinline__ void store2(T* dst, T a, T b) {
+  union {
+    T e[2];
+    u32 w[sizeof(T) / 2];
+  } out;
+  out.e[0] = a;
+  out.e[1] = b;
+  if (sizeof(T) == 4)
+    *reinterpret_cast<uint2*>(dst) = make_uint2(out.w[0], out.w[1]);
+  else
+    *reinterpret_cast<u32*>(dst) = out.w[0];
+}
+
+// An 8 x 8 bit transpose over the 8 lanes of equal t (g = lane / 4), in
+// each byte of x: bit k of byte v in lane g comes back as bit g of byte v in
+// lane k. Three exchanges, each swapping one bit of the row (lane) and
+// column (bit) index: with lane ^ 4b, lanes whose g has bit b keep the
+// columns with bit b set and take their partner's (the other half's).
+__device__ __forceinline__ u32 transpose8x8(u32 x, int g) {
+#pragma unroll
+  for (int b = 4; b >= 1; b >>= 1) {
+    const u32 lo = b == 4 ? 0x0f0f0f0fu : b == 2 ? 0x33333333u : 0x55555555u;  // column bit b clear
+    const u32 y = __shfl_xor_sync(0xffffffffu, x, 4 * b);
+    x = g & b ? (x & ~lo) | ((y >> b) & lo) : (x & lo) | ((y << b) & ~lo);
+  }
+  return x;
+}
+
+// The bias values come from shared memory (bias_s(tw): the block's 64 channels,
+// zero past cout; a global load per tile left every warp waiting on it).
+// Mask bits are gathered for every value; those outside the output (past
+// its edge, past cout) are dropped where the words are stored
+// (store_mask_word), so no test is spent per bit.
+//
+// NCHW. Mask: the tile's words go to tw[line * 4 + u] (line: channel tile_n
+// + line; u: positions 32 u .. 32 u + 31, two halves of 16 from warps 2 u %
+// 4 and + 1), written out by put_tile_mask_nchw after a barrier. Per half a
+// lane gathers its 32 bits in one word (bit 16 s + 8 r + j); transpose8x8
+// leaves lane g those of channels 8 g + 2 t + s, positions 16 warp + g' +
+// 8 r at bit 16 s + 8 r + g' (g' = 0 .. 7).
+template <typename T, bool kAllChannels, typename Op>
+__device__ __forceinline__ void epilogue_wgmma_nchw(const float (&acc)[2][32], const ConvParams& p,
+                                                    T* y, bool has_bias, const Op& op,
+                                                    typename Num<T>::op_t alpha, TileAt at,
+                                                    int tile_n, u32* tw, int warp, int g, int t) {
+  const int cols = 1 << p.c_log2;
+  const long long out_plane = (long long)p.oh * p.ow;
+  // channel 2 t + 8 j + s exists where 8 j + s < c_left
+  const int c_left = p.cout - tile_n - 2 * t;
+  u16* tw16 = reinterpret_cast<u16*>(tw);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int pos = 64 * h + 16 * warp + g, row = pos >> p.c_log2, col = pos & (cols - 1);
+    const bool row_ok = at.oh0 + row < p.oh;
+    const bool ok[2] = {row_ok && at.ow0 + col < p.ow, row_ok && at.ow0 + col + 8 < p.ow};
+    // channels 2 t + 8 j (s = 0) and + 1, stepped along j (64-bit adds,
+    // cheaper than a product per store)
+    T* yc[2];
+    yc[0] = y + ((long long)at.n * p.cout + tile_n + 2 * t) * out_plane +
+            (long long)(at.oh0 + row) * p.ow + at.ow0 + col;
+    yc[1] = yc[0] + out_plane;
+    u32 word = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        const bool c_ok = kAllChannels || 8 * j + s < c_left;
+        const T b = bias_s<T>(tw)[2 * t + 8 * j + s];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          bool bit;
+          const T v = epilogue_value(acc[h][4 * j + 2 * r + s], op, has_bias, b, alpha, bit);
+          if (ok[r] && c_ok) yc[s][8 * r] = v;
+          word |= (u32)bit << (16 * s + 8 * r + j);
+        }
+        yc[s] += 8 * out_plane;
+      }
+    }
+    if (p.mask) {
+      const u32 m = transpose8x8(word, g);
+      const int c = 8 * g + 2 * t;
+      tw16[c * 8 + 4 * h + warp] = (u16)m;
+      tw16[(c + 1) * 8 + 4 * h + warp] = (u16)(m >> 16);
+    }
+  }
+}
+
+// The NCHW mask of the tile at `at` from its words tw (epilogue_wgmma_nchw):
+// a group of 8 lanes per line, lane j writing output word ml.k of tile row
+// mr (nchw_mask_lane), as in the shared-memory epilogue.
+__device__ __forceinline__ MaskLane nchw_mask_lane(const ConvParams& p, int tid, int& mr) {
+  const int j = tid & 7, wpr = 1 << (p.c_log2 - 5);
+  mr = j / (wpr + 1);
+  return mask_lane(0, 1, mr * wpr, wpr, j - mr * (wpr + 1), mr < (kBM >> p.c_log2));
+}
+
+__device__ __forceinline__ void put_tile_mask_nchw(const ConvParams& p, const u32* tw, TileAt at,
+                                                   int tile_n, int tid) {
+  int mr;
+  const MaskLane ml = nchw_mask_lane(p, tid, mr);
+  const bool row = (ml.use_hi || ml.use_lo) && at.oh0 + mr < p.oh;
+  const int len = row ? min(1 << p.c_log2, p.ow - at.ow0) : 0;
+  const long long out_plane = (long long)p.oh * p.ow;
+  const long long e0 =
+      ((long long)at.n * p.cout + tile_n) * out_plane + (long long)(at.oh0 + mr) * p.ow + at.ow0;
+  const int lines = min(kBN, p.cout - tile_n);
+  for (int line = tid >> 3; line < lines; line += kConvThreads / 8) {
+    const u32* w = tw + line * 4;
+    store_mask_word(p.mask, ml.use_hi ? w[ml.src_hi] : 0u, ml.use_lo ? w[ml.src_lo] : 0u, ml.k,
+                    e0 + line * out_plane, len);
+  }
+}
+
+// NHWC: a position's channels are consecutive, two per lane (one store of
+// both where `pair`: cout even, y aligned). Mask: the position's 64 bits
+// (channels tile_n ..) are two words, gathered per lane (bit 8 (j % 4) + 2 t
+// + s of word j / 4) and ORed over the 4 lanes of equal g; lane t then
+// writes output word t of the position's stretch (up to 3).
+template <typename T, bool kAllChannels, typename Op>
+__device__ __forceinline__ void epilogue_wgmma_nhwc(const float (&acc)[2][32], const ConvParams& p,
+                                                    T* y, bool has_bias, const Op& op,
+                                                    typename Num<T>::op_t alpha, TileAt at,
+                                                    int tile_n, u32* tw, bool pair, int warp, int g,
+                                                    int t) {
+  const int cols = 1 << p.c_log2;
+  const int c_left = p.cout - tile_n - 2 * t;
+  const int len = min(kBN, p.cout - tile_n);
+  T b[8][2];
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int s = 0; s < 2; ++s) b[j][s] = bias_s<T>(tw)[2 * t + 8 * j + s];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int pos = 64 * h + 16 * warp + g + 8 * r, row = pos >> p.c_log2, col = pos & (cols - 1);
+      const bool ok = at.oh0 + row < p.oh && at.ow0 + col < p.ow;
+      const long long e =  // the element of (this position, channel tile_n)
+          (((long long)at.n * p.oh + at.oh0 + row) * p.ow + at.ow0 + col) * p.cout + tile_n;
+      T* yp = y + e + 2 * t;
+      u32 mw[2] = {0u, 0u};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        bool bit[2], st[2];
+        T v[2];
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+          v[s] = epilogue_value(acc[h][4 * j + 2 * r + s], op, has_bias, b[j][s], alpha, bit[s]);
+          st[s] = ok && (kAllChannels || 8 * j + s < c_left);
+        }
+        if (pair) {
+          if (st[0]) store2(yp + 8 * j, v[0], v[1]);
+        } else {
+          if (st[0]) yp[8 * j] = v[0];
+          if (st[1]) yp[8 * j + 1] = v[1];
+        }
+        mw[j >> 2] |= ((u32)bit[0] | (u32)bit[1] << 1) << (8 * (j & 3));
+      }
+      if (p.mask) {
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          mw[u] <<= 2 * t;
+          mw[u] |= __shfl_xor_sync(0xffffffffu, mw[u], 1);
+          mw[u] |= __shfl_xor_sync(0xffffffffu, mw[u], 2);
+        }
+        const u32 hi = t == 0 ? mw[0] : t == 1 ? mw[1] : 0u;
+        const u32 lo = t == 1 ? mw[0] : t == 2 ? mw[1] : 0u;
+        store_mask_word(p.mask, hi, lo, t, e, ok ? len : 0);
+      }
+    }
 }
 
 // The weights of the chunk from input channel c0 (depth [c0 kh kw, + kc_pad),
@@ -350,17 +586,18 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
 
   // Shared memory (see _conv.tiling): koff [kc_pad] | the patch, [cc + 1]
   // planes of PH x PW (the last one zero), then with three passes its small
-  // parts at + kPatchPart; the epilogue tile reuses this space | the
+  // parts at + kPatchPart, then for the wgmma epilogue the tile's mask words
+  // [kBN][4] and the bias values [kBN]; the shared-memory epilogue's tile
+  // reuses this space | the
   // weights (load_weights), small parts at + kWeightPart.
   constexpr int kParts = kPasses == 3 ? 2 : 1;
   int* koff = reinterpret_cast<int*>(smem);
   u32* patch = reinterpret_cast<u32*>(smem) + p.kc_pad;
   const int patch_words = kParts == 2 ? 2 * kPatchPart : (p.cc + 1) * plane;
+  const int region = patch_words + kAfterPatchWords;
   // (16-byte aligned: the wgmma descriptors address it in 16-byte units)
-  u32* bs = patch + (((patch_words > kEpilogueFloats ? patch_words : kEpilogueFloats) + 3) & ~3);
+  u32* bs = patch + (((region > kEpilogueFloats ? region : kEpilogueFloats) + 3) & ~3);
   constexpr int kBS = kWeightStride;
-
-  build_koff(koff, p, tid);
 
   // Shared addresses of this thread's A rows at depth 0: with mma.sync eight
   // (4 row tiles x g, g + 8), with wgmma (sm_90a) four, warp w's rows of
@@ -407,15 +644,34 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
       bias_c[u][j] = kChannelsLast && bias && j < valid_c[u] ? bias[co + j] : Num<T>::zero();
   }
 
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    // This tile's rectangle: image n, output rows oh0.., columns ow0..
-    const int tw = tile % p.tiles_w;
-    const int th = (tile / p.tiles_w) % p.tiles_h;
-    const int n = tile / (p.tiles_w * p.tiles_h);
-    const int oh0 = th * (kBM >> p.c_log2), ow0 = tw * cols;
-    const int ih_base = oh0 * p.sh - p.ph, iw_base = ow0 * p.sw - p.pw;
-    const T* xn = x + (long long)n * image;
+  // The wgmma epilogue: NHWC pairs of channels stored together where `pair`;
+  // after the patch, NCHW: the tile's mask words (epilogue_wgmma_nchw) and
+  // its writers' lane constants; the block's bias values (zero past cout).
+  const bool pair = (p.cout & 1) == 0 && ((u64)y & (2 * sizeof(T) - 1)) == 0;
+  u32* tile_words = patch + patch_words;
+  if (kWgmma && tid < kBN)
+    bias_s<T>(tile_words)[tid] =
+        bias && tile_n + tid < p.cout ? bias[tile_n + tid] : Num<T>::zero();
 
+  // This block's run of tiles, the tile index running down the rows first
+  // (tile = (n tiles_w + column) tiles_h + row), so that one-row tiles (C =
+  // 128) on the wgmma path, which leaves the patch in place, keep it as a
+  // ring of PH rows per channel when one chunk holds every input channel:
+  // the next output row copies only its sh new input rows, row l of a tile
+  // sitting in slot ring_slot(base, l) (koff follows it).
+  const int tile_first = blockIdx.x * p.tiles_per_split;
+  const int tile_end = min(tiles, tile_first + p.tiles_per_split);
+  const bool ring = kWgmma && !kChannelsLast && one_chunk && p.c_log2 == 7;
+  if (!ring) build_koff(koff, p, tid, 0);
+  if (kWgmma)  // the zero plane, once (only the shared-memory epilogue overwrites it)
+    for (int i = tid; i < plane; i += kConvThreads)
+      put_split<kPasses>(patch, p.cc * plane + i, kPatchPart, 0.f);
+  // NCHW on wgmma: the mask words of tile `at` wait in tile_words until
+  // after the next barrier (the next tile's first, or the last one).
+  const bool nchw_mask = kWgmma && !kChannelsLast && p.mask;
+  TileAt at = tile_at(p, tile_first);  // this tile's rectangle: image n, rows oh0.., columns ow0..
+
+  for (int tile = tile_first; tile < tile_end; ++tile) {
     float acc[4][4][4], wacc[2][32];  // mma.sync's, wgmma's
 #pragma unroll
     for (int i = 0; i < 4; ++i)
@@ -429,13 +685,38 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
 
     for (int c0 = 0; c0 < p.cin; c0 += p.cc) {
       __syncthreads();  // the previous MMAs and epilogue are done with shared memory
-      if (c0 == 0)
+      if (c0 == 0 && tile > tile_first) {
+        if (nchw_mask) put_tile_mask_nchw(p, tile_words, at, tile_n, tid);
+        // the next tile: one row tile down, or the next column or image
+        at.oh0 += kBM >> p.c_log2;
+        if (at.oh0 >= p.tiles_h * (kBM >> p.c_log2)) {
+          at.oh0 = 0;
+          at.ow0 += cols;
+          if (at.ow0 >= p.tiles_w * cols) {
+            at.ow0 = 0;
+            ++at.n;
+          }
+        }
+      }
+      const int n = at.n, oh0 = at.oh0, ow0 = at.ow0;
+      const int ih_base = oh0 * p.sh - p.ph, iw_base = ow0 * p.sw - p.pw;
+      const T* xn = x + (long long)n * image;
+      const int fresh = ring && oh0 > 0 && tile > tile_first ? min(p.sh, p.patch_h) : p.patch_h;
+      const int base = ring ? (oh0 * p.sh) % p.patch_h : 0;
+      if (!kWgmma && c0 == 0)
         for (int i = tid; i < plane; i += kConvThreads)
           put_split<kPasses>(patch, p.cc * plane + i, kPatchPart, 0.f);
-      load_patch<T, kPasses, kChannelsLast>(patch, p, xn, c0, ih_base, iw_base, tid);
-      if (!one_chunk || tile == (int)blockIdx.x)
-        load_weights<T, kPasses>(bs, p, w, tile_n, c0, tid);
+      if (ring) build_koff(koff, p, tid, base);
+      load_patch<T, kPasses, kChannelsLast>(patch, p, xn, c0, ih_base, iw_base, tid,
+                                            p.patch_h - fresh, fresh, base);
+      if (!one_chunk || tile == tile_first) load_weights<T, kPasses>(bs, p, w, tile_n, c0, tid);
       __syncthreads();
+      // The ring's next rows (those of the next output row) on their way to
+      // L2 while this tile's MMAs and epilogue run: its copy then waits on
+      // L2, not on DRAM.
+      if (ring && tile + 1 < tile_end && oh0 + 1 < p.tiles_h)
+        prefetch_rows_l2(p, xn, ih_base + p.patch_h + p.sh - min(p.sh, p.patch_h),
+                         min(p.sh, p.patch_h), iw_base, tid);
 
       if constexpr (kWgmma) {
         wgmma_chunk<kPasses>(wacc, a_wg, koff, b_desc, p.kc_pad, t);
@@ -459,98 +740,117 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
         }
       }
     }
-    __syncthreads();  // done with the patch: the epilogue tile takes its place
-
-    // Epilogue: the tile into shared memory ...
-    float* ct = reinterpret_cast<float*>(patch);
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          // mma.sync: warp (wm, wn)'s row tile i, column tile j; wgmma: M-half
-          // i / 2, column tile 4 (i % 2) + j
-          const int ml = kWgmma ? (i >> 1) * 64 + warp * 16 + g + (q >> 1) * 8
-                                : wm * 64 + i * 16 + g + (q >> 1) * 8;
-          const int nl =
-              kWgmma ? ((i & 1) * 4 + j) * 8 + 2 * t + (q & 1) : wn * 32 + j * 8 + 2 * t + (q & 1);
-          const float v = kWgmma ? wacc[i >> 1][(i & 1) * 16 + j * 4 + q] : acc[i][j][q];
-          ct[kChannelsLast ? ml * kCSL + nl : nl * kCS + ml] = v;
-        }
-    __syncthreads();
-
-    // ... then out. Values round to T, then bias, division and LeakyReLU (the
-    // elementwise functor); stores are as wide as alignment allows.
-    if (!kChannelsLast) {
-      // NCHW: a line is one channel's 128 tile positions (R rows of C). Each
-      // group of 8 lanes takes a line, lane j its positions 4j + 32u (u = 0
-      // .. 3, each run of 4 within one tile row: C >= 32), 4 lines per warp
-      // at a time: per u the group reads and writes 32 consecutive elements
-      // (shared loads without bank conflicts, whole sectors stored); one bias
-      // load per line. Mask: run u's 4 bits are bits 4j .. 4j + 3 of tile
-      // word u (tile_word4x4). Output row r of the line (elements e_r .. e_r +
-      // len - 1, not word-aligned) takes up to C / 32 + 1 words, so the
-      // group's 8 lanes cover all rows' words: lane j writes word k of row r
-      // (j = r (C / 32 + 1) + k), from tile words r C / 32 + k and the one
-      // before it.
-      const int grp = lane >> 3, j = lane & 7;
-      int off[4], valid[4];  // run u: its offset from the line's first element, its length
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int pos = 4 * j + 32 * u, row = pos >> p.c_log2, col = pos & (cols - 1);
-        off[u] = row * p.ow + col;
-        valid[u] = oh0 + row < p.oh ? max(0, min(4, p.ow - ow0 - col)) : 0;
-      }
-      const long long e_tile =
-          ((long long)n * p.cout + tile_n) * out_plane + (long long)oh0 * p.ow + ow0;
-      const float* ct_lane = ct + grp * kCS + 4 * j;
-      const int wpr = cols >> 5;     // tile words per row: 1, 2 or 4
-      const int mr = j / (wpr + 1);  // the row whose mask word this lane writes
-      const MaskLane mlane = mask_lane(lane & ~7, 2, mr * wpr, wpr, j - mr * (wpr + 1),
-                                       mr < (kBM >> p.c_log2) && oh0 + mr < p.oh);
-      const int len = mlane.use_hi || mlane.use_lo ? min(cols, p.ow - ow0) : 0;
-      const int lines = min(kBN, p.cout - tile_n);
-      for (int l0 = warp * 4; l0 < lines; l0 += kConvThreads / 8) {
-        const int line = l0 + grp;  // (< kBN: the shared loads stay in the tile)
-        const bool line_ok = line < lines;
-        T b[4];
-        b[0] = b[1] = b[2] = b[3] = bias && line_ok ? bias[tile_n + line] : Num<T>::zero();
-        T* y_line = y + e_tile + line * out_plane;
-        u32 nib[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u)
-          nib[u] = epilogue_run4(ct_lane + l0 * kCS + 32 * u, y_line + off[u],
-                                 line_ok ? valid[u] : 0, op, bias != nullptr, b, alpha);
-        if (p.mask)  // row mr of the line
-          put_mask_word(p.mask, tile_word4x4(nib, j), mlane,
-                        e_tile + line * out_plane + mr * p.ow, line_ok ? len : 0);
+    if constexpr (kWgmma) {
+      // (all 64 channels exist: no per-channel test)
+      const bool all = p.cout - tile_n >= kBN;
+      if (kChannelsLast && all) {
+        epilogue_wgmma_nhwc<T, true>(wacc, p, y, bias != nullptr, op, alpha, at, tile_n, tile_words,
+                                     pair, warp, g, t);
+      } else if (kChannelsLast) {
+        epilogue_wgmma_nhwc<T, false>(wacc, p, y, bias != nullptr, op, alpha, at, tile_n,
+                                      tile_words, pair, warp, g, t);
+      } else if (all) {
+        epilogue_wgmma_nchw<T, true>(wacc, p, y, bias != nullptr, op, alpha, at, tile_n, tile_words,
+                                     warp, g, t);
+      } else {
+        epilogue_wgmma_nchw<T, false>(wacc, p, y, bias != nullptr, op, alpha, at, tile_n,
+                                      tile_words, warp, g, t);
       }
     } else {
-      // NHWC: a line is one position's 64 channels. Each group of 8 lanes
-      // takes a position, lane c its channels 4c + 32u (u = 0, 1), 4
-      // positions per warp at a time: per u the group reads and writes 32
-      // consecutive elements (no bank conflicts, whole sectors stored). The
-      // lane's bias values stay in registers for every tile. Mask: the
-      // position's bits (channels tile_n ..) are tile words 0 and 1
-      // (tile_word2x8); its stretch takes up to 3 words: lane c writes word c.
-      const int pp = lane >> 3, c = lane & 7;
-      const float* ct_lane = ct + pp * kCSL + 4 * c;
-      const MaskLane mlane = mask_lane(lane & ~7, 4, 0, 2, c, true);
-      const int len = max(0, min(kBN, p.cout - tile_n));
-      for (int ml0 = warp * 4; ml0 < kBM; ml0 += kConvThreads / 8) {
-        const int ml = ml0 + pp;
-        const int oh = oh0 + (ml >> p.c_log2), ow = ow0 + (ml & (cols - 1));
-        const bool pos_ok = oh < p.oh && ow < p.ow;
-        const long long e = (((long long)n * p.oh + oh) * p.ow + ow) * p.cout + tile_n;
-        u32 nib[2];
+      const int n = at.n, oh0 = at.oh0, ow0 = at.ow0;
+      __syncthreads();  // done with the patch: the epilogue tile takes its place
+
+      // Epilogue: the tile into shared memory ...
+      float* ct = reinterpret_cast<float*>(patch);
 #pragma unroll
-        for (int u = 0; u < 2; ++u)
-          nib[u] = epilogue_run4(ct_lane + ml0 * kCSL + 32 * u, y + e + 4 * c + 32 * u,
-                                 pos_ok ? valid_c[u] : 0, op, bias != nullptr, bias_c[u], alpha);
-        if (p.mask) put_mask_word(p.mask, tile_word2x8(nib, c), mlane, e, pos_ok ? len : 0);
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            // warp (wm, wn)'s row tile i, column tile j
+            const int ml = wm * 64 + i * 16 + g + (q >> 1) * 8;
+            const int nl = wn * 32 + j * 8 + 2 * t + (q & 1);
+            ct[kChannelsLast ? ml * kCSL + nl : nl * kCS + ml] = acc[i][j][q];
+          }
+      __syncthreads();
+
+      // ... then out. Values round to T, then bias, division and LeakyReLU (the
+      // elementwise functor); stores are as wide as alignment allows.
+      if (!kChannelsLast) {
+        // NCHW: a line is one channel's 128 tile positions (R rows of C). Each
+        // group of 8 lanes takes a line, lane j its positions 4j + 32u (u = 0
+        // .. 3, each run of 4 within one tile row: C >= 32), 4 lines per warp
+        // at a time: per u the group reads and writes 32 consecutive elements
+        // (shared loads without bank conflicts, whole sectors stored); one bias
+        // load per line. Mask: run u's 4 bits are bits 4j .. 4j + 3 of tile
+        // word u (tile_word4x4). Output row r of the line (elements e_r .. e_r +
+        // len - 1, not word-aligned) takes up to C / 32 + 1 words, so the
+        // group's 8 lanes cover all rows' words: lane j writes word k of row r
+        // (j = r (C / 32 + 1) + k), from tile words r C / 32 + k and the one
+        // before it.
+        const int grp = lane >> 3, j = lane & 7;
+        int off[4], valid[4];  // run u: its offset from the line's first element, its length
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int pos = 4 * j + 32 * u, row = pos >> p.c_log2, col = pos & (cols - 1);
+          off[u] = row * p.ow + col;
+          valid[u] = oh0 + row < p.oh ? max(0, min(4, p.ow - ow0 - col)) : 0;
+        }
+        const long long e_tile =
+            ((long long)n * p.cout + tile_n) * out_plane + (long long)oh0 * p.ow + ow0;
+        const float* ct_lane = ct + grp * kCS + 4 * j;
+        const int wpr = cols >> 5;     // tile words per row: 1, 2 or 4
+        const int mr = j / (wpr + 1);  // the row whose mask word this lane writes
+        const MaskLane mlane = mask_lane(lane & ~7, 2, mr * wpr, wpr, j - mr * (wpr + 1),
+                                         mr < (kBM >> p.c_log2) && oh0 + mr < p.oh);
+        const int len = mlane.use_hi || mlane.use_lo ? min(cols, p.ow - ow0) : 0;
+        const int lines = min(kBN, p.cout - tile_n);
+        for (int l0 = warp * 4; l0 < lines; l0 += kConvThreads / 8) {
+          const int line = l0 + grp;  // (< kBN: the shared loads stay in the tile)
+          const bool line_ok = line < lines;
+          T b[4];
+          b[0] = b[1] = b[2] = b[3] = bias && line_ok ? bias[tile_n + line] : Num<T>::zero();
+          T* y_line = y + e_tile + line * out_plane;
+          u32 nib[4];
+#pragma unroll
+          for (int u = 0; u < 4; ++u)
+            nib[u] = epilogue_run4(ct_lane + l0 * kCS + 32 * u, y_line + off[u],
+                                   line_ok ? valid[u] : 0, op, bias != nullptr, b, alpha);
+          if (p.mask)  // row mr of the line
+            put_mask_word(p.mask, tile_word4x4(nib, j), mlane,
+                          e_tile + line * out_plane + mr * p.ow, line_ok ? len : 0);
+        }
+      } else {
+        // NHWC: a line is one position's 64 channels. Each group of 8 lanes
+        // takes a position, lane c its channels 4c + 32u (u = 0, 1), 4
+        // positions per warp at a time: per u the group reads and writes 32
+        // consecutive elements (no bank conflicts, whole sectors stored). The
+        // lane's bias values stay in registers for every tile. Mask: the
+        // position's bits (channels tile_n ..) are tile words 0 and 1
+        // (tile_word2x8); its stretch takes up to 3 words: lane c writes word c.
+        const int pp = lane >> 3, c = lane & 7;
+        const float* ct_lane = ct + pp * kCSL + 4 * c;
+        const MaskLane mlane = mask_lane(lane & ~7, 4, 0, 2, c, true);
+        const int len = max(0, min(kBN, p.cout - tile_n));
+        for (int ml0 = warp * 4; ml0 < kBM; ml0 += kConvThreads / 8) {
+          const int ml = ml0 + pp;
+          const int oh = oh0 + (ml >> p.c_log2), ow = ow0 + (ml & (cols - 1));
+          const bool pos_ok = oh < p.oh && ow < p.ow;
+          const long long e = (((long long)n * p.oh + oh) * p.ow + ow) * p.cout + tile_n;
+          u32 nib[2];
+#pragma unroll
+          for (int u = 0; u < 2; ++u)
+            nib[u] = epilogue_run4(ct_lane + ml0 * kCSL + 32 * u, y + e + 4 * c + 32 * u,
+                                   pos_ok ? valid_c[u] : 0, op, bias != nullptr, bias_c[u], alpha);
+          if (p.mask) put_mask_word(p.mask, tile_word2x8(nib, c), mlane, e, pos_ok ? len : 0);
+        }
       }
     }
+  }
+  if (nchw_mask && tile_first < tile_end) {  // the last tile's mask words
+    __syncthreads();
+    put_tile_mask_nchw(p, tile_words, at, tile_n, tid);
   }
 }
 

@@ -26,7 +26,8 @@ struct ConvParams {
   u64 slope, scale, alpha;  // float bits, as in Params
   // The weight gradient (conv2d_wgrad.cu): per-split partial sums, then gw, gb.
   // The input gradient (conv2d_dgrad.cu): dx in gw, input rows per block in
-  // tiles_per_split, column tiles in tiles_w.
+  // tiles_per_split, column tiles in tiles_w. The forward: tiles per block in
+  // tiles_per_split.
   void* gw;                 // (Cout, Cin, kH, kW) dense, the weight's dtype (dgrad: dx)
   void* gb;                 // (Cout,) or null
   float* part;              // [splits][cout][K] partial gw, then [splits][cout] partial gb
@@ -41,6 +42,9 @@ constexpr int kCSL = kBN + 4;  // epilogue tile, NHWC: [kBM][kCSL]
 // Dynamic shared memory: max(epilogue tile, table + patch + weights); the host
 // (cupy_act/_conv.py) computes the same sizes.
 constexpr int kEpilogueFloats = kBM * kCSL > kBN* kCS ? kBM * kCSL : kBN * kCS;
+// After the forward's patch (wgmma): a tile's mask words (NCHW), the bias values.
+constexpr int kTileMaskWords = kBN * 4;
+constexpr int kAfterPatchWords = kTileMaskWords + kBN;
 
 // cvt.rna.tf32.f32 in integer operations: add half a TF32 unit to the
 // magnitude's bits, then drop the low 13 (a carry into the exponent is the
@@ -191,20 +195,6 @@ __device__ __forceinline__ void put_split(u32* dst, int e, int small, float x) {
   if (kPasses == 3) dst[e + small] = lo;
 }
 
-// koff[k]: the byte offset in the patch of depth k = (ci, r, s) of a chunk;
-// depth past the chunk's (the padding up to kc_pad) points at the zero plane.
-__device__ __forceinline__ void build_koff(int* koff, const ConvParams& p, int tid) {
-  const int khw = p.kh * p.kw, kc = p.cc * khw, plane = p.patch_h * p.patch_w;
-  for (int k = tid; k < p.kc_pad; k += kConvThreads) {
-    int off = p.cc * plane;
-    if (k < kc) {
-      const int ci = k / khw, rs = k - ci * khw, r = rs / p.kw, s = rs - r * p.kw;
-      off = ci * plane + r * p.dh * p.patch_w + s * p.dw;
-    }
-    koff[k] = off * 4;
-  }
-}
-
 // put_split where `pred` (predicated stores: no branch).
 template <int kPasses>
 __device__ __forceinline__ void put_split_if(u32* dst, int e, float x, bool pred) {
@@ -223,6 +213,21 @@ __device__ __forceinline__ void put_split_if(u32* dst, int e, float x, bool pred
 __device__ __forceinline__ int ring_slot(int base, int l, int ph) {
   const int s = base + l;
   return s >= ph ? s - ph : s;
+}
+
+// koff[k]: the byte offset in the patch of depth k = (ci, r, s) of a chunk,
+// its row r * dh in slot ring_slot(base, r * dh) (base 0: row r * dh); depth
+// past the chunk's (the padding up to kc_pad) points at the zero plane.
+__device__ __forceinline__ void build_koff(int* koff, const ConvParams& p, int tid, int base) {
+  const int khw = p.kh * p.kw, kc = p.cc * khw, plane = p.patch_h * p.patch_w;
+  for (int k = tid; k < p.kc_pad; k += kConvThreads) {
+    int off = p.cc * plane;
+    if (k < kc) {
+      const int ci = k / khw, rs = k - ci * khw, r = rs / p.kw, s = rs - r * p.kw;
+      off = ci * plane + ring_slot(base, r * p.dh, p.patch_h) * p.patch_w + s * p.dw;
+    }
+    koff[k] = off * 4;
+  }
 }
 
 // x / d for 0 <= x, x d < 2^32, with m = div_magic(d): one multiply-high
@@ -290,13 +295,15 @@ __device__ __forceinline__ void load_patch_nchw(u32* patch, const ConvParams& p,
 
 // The input patch of channels [c0, c0 + cc) of image xn under the output
 // rectangle whose top-left input position is (ih_base, iw_base), zero outside
-// the image, split into shared memory. NCHW: load_patch_nchw, every row.
+// the image, split into shared memory. NCHW: load_patch_nchw, rows l0 .. l0
+// + nr - 1 into ring slots from `base` (0, PH, 0: every row in place).
 // NHWC: a warp per row, a lane per column reading that column's cc
 // channels, which lie together (unrolled so that several loads are in
 // flight).
 template <typename T, int kPasses, bool kChannelsLast>
 __device__ __forceinline__ void load_patch(u32* patch, const ConvParams& p, const T* xn, int c0,
-                                           int ih_base, int iw_base, int tid) {
+                                           int ih_base, int iw_base, int tid, int l0, int nr,
+                                           int base) {
   const int lane = tid & 31, warp = tid >> 5;
   if (kChannelsLast) {
     for (int pr = warp; pr < p.patch_h; pr += kConvThreads / 32) {
@@ -319,7 +326,7 @@ __device__ __forceinline__ void load_patch(u32* patch, const ConvParams& p, cons
     // (w_in % 4 == 0 makes every image start as aligned as the first.)
     const bool vec =
         (p.w_in & 3) == 0 && (iw_base & 3) == 0 && ((u64)xn & (4 * sizeof(T) - 1)) == 0;
-    load_patch_nchw<T, kPasses, 2>(patch, p, xn, c0, ih_base, iw_base, tid, vec, 0, p.patch_h, 0);
+    load_patch_nchw<T, kPasses, 2>(patch, p, xn, c0, ih_base, iw_base, tid, vec, l0, nr, base);
   }
 }
 

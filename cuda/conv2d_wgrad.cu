@@ -432,7 +432,7 @@ __global__ void __launch_bounds__(kConvThreads, 3) conv2d_wgrad_kernel(const Con
     const bool patch_vec = x_vec && ((ow0 * p.sw - p.pw) & 3) == 0;
     if (kChannelsLast) {
       load_patch<T, kPasses, true>(patch, p, x + (long long)n * image, c0, oh0 * p.sh - p.ph,
-                                   ow0 * p.sw - p.pw, tid);
+                                   ow0 * p.sw - p.pw, tid, 0, p.patch_h, 0);
     } else if (kStages > 0) {  // dy is on its way: the patch alone
       load_patch_nchw<T, kPasses, 2>(patch, p, x + (long long)n * image, c0, oh0 * p.sh - p.ph,
                                      ow0 * p.sw - p.pw, tid, patch_vec, p.patch_h - fresh, fresh,

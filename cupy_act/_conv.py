@@ -184,6 +184,7 @@ class Tiling(NamedTuple):
 
 EPILOGUE_FLOATS = max(TILE_M * (TILE_N + 4), TILE_N * (TILE_M + 4))  # kEpilogueFloats
 EPILOGUE_BYTES = 4 * EPILOGUE_FLOATS
+AFTER_PATCH_WORDS = TILE_N * 5  # kAfterPatchWords: a tile's mask words, the bias (wgmma)
 WEIGHT_STRIDE = 72  # kWeightStride: words per depth row of the weights
 PATCH_PART = 4096  # kPatchPart: words of the patch per part, with three passes
 WEIGHT_PART = 72 * WEIGHT_STRIDE  # kWeightPart: the weights' part (depth <= 72)
@@ -225,9 +226,11 @@ def _forward_smem(n_passes: int, cc: int, kc_pad: int, ph: int, pw: int) -> int 
     if n_passes == 3:
         if part > PATCH_PART or kc_pad > 72:
             return None
-        return 4 * (kc_pad + max(2 * PATCH_PART, EPILOGUE_FLOATS) + 2 * WEIGHT_PART)
-    # (the weights start 16-byte aligned: conv2d.cu rounds up to 4 words)
-    return 4 * (kc_pad + -(-max(part, EPILOGUE_FLOATS) // 4) * 4 + kc_pad * WEIGHT_STRIDE)
+        part = 2 * PATCH_PART
+    # the patch, a tile's mask words and the bias, or the epilogue tile in
+    # their place; the weights start 16-byte aligned (conv2d.cu rounds up)
+    region = -(-max(part + AFTER_PATCH_WORDS, EPILOGUE_FLOATS) // 4) * 4
+    return 4 * (kc_pad + region + (2 * WEIGHT_PART if n_passes == 3 else kc_pad * WEIGHT_STRIDE))
 
 
 @functools.lru_cache(maxsize=4096)  # (a Python search: cached per shape)
@@ -447,18 +450,21 @@ def launch(
     tl = launch_tiling(g, n_passes)
     k = kernel(device, dtype, n_passes, channels_last)
     _allow_smem(k, tl.smem)
-    s = _pack(g, tl, x, w, bias, y, mask, slope, scale)
-    # A persistent grid: each block walks tiles blockIdx.x, + gridDim.x, ...
-    # keeping its weights in shared memory when one chunk holds every channel.
+    # A persistent grid: each block walks a run of consecutive tiles (down the
+    # rows first), keeping its weights in shared memory when one chunk holds
+    # every channel, and on sm_90a one-row tiles' patch as a ring of rows.
     n_tiles = g.n * tl.tiles_h * tl.tiles_w
     col_tiles = math.ceil(g.cout / TILE_N)
-    grid = (min(n_tiles, max(1, _blocks(device, k, tl.smem) // col_tiles)), col_tiles)
+    per_block = math.ceil(n_tiles / max(1, _blocks(device, k, tl.smem) // col_tiles))
+    s = _pack(g, tl, x, w, bias, y, mask, slope, scale, 0, 0, 0, per_block, 0)
+    grid = (math.ceil(n_tiles / per_block), col_tiles)
     _launch.run(k.ptr, k.ctx, grid, THREADS, stream, s.argv_ptr, tl.smem)
 
 
 def _pack(g: Geometry, tl: Tiling, x, w, bias, y, mask, slope, scale, *wgrad) -> _launch._Scratch:
     """ConvParams into this thread's argument buffer; ``wgrad``: gw, gb, part,
-    tiles_per_split, splits (zeros for the forward)."""
+    tiles_per_split, splits (the forward: its tiles per block in
+    tiles_per_split, the rest zeros)."""
     s = _scratch
     _PARAMS.pack_into(
         s.buf, 0, x, w, bias, y, mask, g.n, g.cin, g.h, g.w, g.cout, g.oh, g.ow, g.kh, g.kw,
