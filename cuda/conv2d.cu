@@ -8,9 +8,10 @@
 //   rows    m = output positions (n, oh, ow)
 //   columns j = output channels co
 //   depth   k = (ci, kh, kw), the weight's OIHW order
-// A persistent grid: each 128-thread block walks output tiles of 128
-// positions (a rectangle of R rows x C columns of one image, C = 32, 64 or
-// 128, R = 128 / C) by 64 channels. Per tile and chunk of cc input channels
+// A persistent grid: each 128-thread block walks a run of consecutive output
+// tiles of 128 positions (a rectangle of R rows x C columns of one image, C =
+// 32, 64 or 128, R = 128 / C; the runs go down the rows first) by 64
+// channels. Per tile and chunk of cc input channels
 // it copies the input patch under the rectangle (cc planes of PH x PW, zero
 // where the padding is) into shared memory with plain coalesced loads, and
 // the chunk's weights (kept for every tile when one chunk holds all input
@@ -45,14 +46,18 @@
 // (inf in x under an inf weight) gives NaN. |a| within 2^-11 of FLT_MAX
 // rounds to inf.
 //
-// Epilogue. The tile goes through shared memory so that each lane then holds
-// 16 output elements of one line (a channel's positions for NCHW, a
-// position's channels for NHWC) in runs of 4 consecutive ones: four 16-byte
-// shared loads, stores as wide as alignment allows, and the per-line work
-// (address, bias, mask) shared by 16 elements. The value is
-// rounded to T (the convolution's output), then bias, division and LeakyReLU
-// are the elementwise op's own functor and add_bias, so they round exactly as
-// eager PyTorch's separate ops do.
+// Epilogue. With wgmma each value is stored from the accumulators where it
+// lies (epilogue_wgmma_nchw / _nhwc): no trip through shared memory, so the
+// patch survives the tile, and one-row tiles keep it as a ring of rows (the
+// next output row copies only its sh new input rows, prefetched into L2
+// while the tile before runs). With mma.sync the tile goes through shared
+// memory so that each lane then holds 16 output elements of one line (a
+// channel's positions for NCHW, a position's channels for NHWC) in runs of 4
+// consecutive ones: four 16-byte shared loads, stores as wide as alignment
+// allows, and the per-line work (address, bias, mask) shared by 16 elements.
+// Either way the value is rounded to T (the convolution's output), then
+// bias, division and LeakyReLU are the elementwise op's own functor and
+// add_bias, so they round exactly as eager PyTorch's separate ops do.
 //
 // Mask: the format of elementwise.cu (bit i % 32 of word i / 32 is element i,
 // in the output's memory order). The buffer is zeroed before the launch.
