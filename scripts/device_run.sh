@@ -54,10 +54,11 @@ if has sanitizer; then
   echo "sanitizer rc=$?" >> "$OUT/sanitizer.log"
   # the fused convolution: masks over broken and whole words, both layouts, odd shapes
   timeout 200 compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_conv.py -k "mask_decodes or empty_batch or odd_patch or (accuracy and (case3- or case17-))" \
+    tests/test_conv.py -k "mask_decodes or empty_batch or odd_patch or (accuracy and (case3- or case17-)) or (wide_outputs and (wide0 or wide3 or wide4) and dtype0-fused-)" \
     > "$OUT/sanitizer_conv.log" 2>&1
   echo "sanitizer rc=$?" >> "$OUT/sanitizer_conv.log"
-  # the forward's epilogue tile in shared memory, read back by other warps
+  # the forward's tile in shared memory read back by other warps: the epilogue
+  # tile (mma.sync) or the mask words and the bias (sm_90a)
   timeout 200 compute-sanitizer --tool racecheck --kernel-name kns=conv2d_kernel --error-exitcode 99 \
     python3 -m pytest -q -p no:cacheprovider tests/test_conv.py -k "mask_decodes and float32" \
     >> "$OUT/sanitizer_conv.log" 2>&1

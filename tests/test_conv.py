@@ -401,6 +401,55 @@ def test_fused_forward_accuracy_after_an_odd_patch(case, dtype, algorithm, cl):
     _check_accuracy(ODD_PATCH_CASES[case], case, dtype, algorithm, cl)
 
 
+# Outputs wider than 64 (one-row tiles: NCHW keeps the patch as a ring of
+# rows, in the forward on sm_90a and in the weight gradient) with more tiles
+# than the device runs blocks, so that blocks walk runs of consecutive rows
+# across image boundaries: strides, dilations, padding, 1x1 to 7x7, several
+# chunks and column tiles (70 channels: a second tile of 6).
+WIDE_CASES = [
+    ((4, 5, 260, 150), (20, 5, 3, 3), 1, 1, 1),
+    ((2, 3, 600, 141), (17, 3, 7, 7), 2, 3, 1),
+    ((2, 8, 500, 133), (64, 8, 5, 5), 1, 0, 1),
+    ((3, 4, 700, 200), (9, 4, 3, 5), (3, 1), (2, 1), (2, 1)),
+    ((1, 2, 1500, 300), (70, 2, 1, 1), 1, 0, 1),
+    ((2, 7, 800, 129), (5, 7, 3, 3), (1, 2), 1, (2, 1)),
+]
+
+
+def test_wide_cases_take_the_forwards_ring_of_rows():
+    """WIDE_CASES exercise the forward's ring (one-row tiles, every input
+    channel in one chunk, more tiles than an H100's 132 SMs run blocks of
+    them at once) at 3 of 6 shapes, one and three passes, and one-row tiles
+    with several chunks (no ring) at the rest."""
+    ring = 0
+    for xs, ws, stride, padding, dilation in WIDE_CASES:
+        g = _conv.geometry("f", xs, ws, stride, padding, dilation)
+        for n_passes in (1, 3):
+            t = _conv.launch_tiling(g, n_passes)
+            assert t.c_log2 == 7
+            assert g.n * t.tiles_h * t.tiles_w > 4 * 132 // -(-g.cout // _conv.TILE_N)
+            ring += g.cin <= t.cc
+    assert ring == 3 * 2
+
+
+@gpu
+@pytest.mark.parametrize("cl", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype, algorithm", FUSED_KINDS)
+@pytest.mark.parametrize("case", range(len(WIDE_CASES)), ids=[f"wide{i}" for i in range(6)])
+def test_fused_forward_on_wide_outputs(case, dtype, algorithm, cl):
+    """Within the float64 bound, and the mask bit set exactly where the output
+    is > 0, in its memory order."""
+    _check_accuracy(WIDE_CASES[case], 100 + case, dtype, algorithm, cl)
+    xs, ws, stride, padding, dilation = WIDE_CASES[case]
+    x, w, b = _xwb(xs, ws, "cuda", dtype, seed=100 + case)
+    x, w = _layout(x, cl), _layout(w, cl)
+    g = _conv.geometry("f", xs, ws, stride, padding, dilation)  # (its pairs)
+    spd = (g.stride, g.padding, g.dilation)
+    y, mask = conv.fused_forward(x, w, b, DIVISOR, SLOPE, *spd, algorithm == "fused_tf32", True)
+    bits = _impl.mask_to_bits(mask.cpu(), tuple(y.shape), _impl.is_channels_last(y))
+    assert torch.equal(bits, (y > 0).cpu())
+
+
 @gpu
 def test_fused_error_within_10x_eager_at_the_reference_shape():
     """The issue's accuracy class: max error against float64 at most 10x eager's

@@ -17,7 +17,17 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("cupy")
 
-from test_conv import CASES, DIVISOR, EPS, FUSED_KINDS, GEOMETRIES, SLOPE, _layout, _xwb  # noqa: E402
+from test_conv import (  # noqa: E402
+    CASES,
+    DIVISOR,
+    EPS,
+    FUSED_KINDS,
+    GEOMETRIES,
+    SLOPE,
+    WIDE_CASES,
+    _layout,
+    _xwb,
+)
 
 import cupy_act.torch as ct  # noqa: E402
 from cupy_act import _conv, testing  # noqa: E402
@@ -157,20 +167,6 @@ def assert_within(ours, ref, tol):
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[f"case{i}" for i in range(len(CASES))])
 def test_fused_weight_gradient_accuracy(case, dtype, algorithm, cl):
     _check_accuracy(*CASES[case], dtype, algorithm, cl, seed=case)
-
-
-# Outputs wider than 64 (one-row tiles: NCHW keeps the patch as a ring of
-# rows) with more tiles than the device runs blocks, so that blocks walk runs
-# of consecutive rows across image boundaries: strides, dilations, padding,
-# 1x1 to 7x7, several chunks and column tiles.
-WIDE_CASES = [
-    ((4, 5, 260, 150), (20, 5, 3, 3), 1, 1, 1),
-    ((2, 3, 600, 141), (17, 3, 7, 7), 2, 3, 1),
-    ((2, 8, 500, 133), (64, 8, 5, 5), 1, 0, 1),
-    ((3, 4, 700, 200), (9, 4, 3, 5), (3, 1), (2, 1), (2, 1)),
-    ((1, 2, 1500, 300), (70, 2, 1, 1), 1, 0, 1),
-    ((2, 7, 800, 129), (5, 7, 3, 3), (1, 2), 1, (2, 1)),
-]
 
 
 @gpu
