@@ -315,14 +315,15 @@ __device__ __forceinline__ u32 tile_word4x4(const u32 (&nib)[4], int j) {
   return z | __shfl_xor_sync(0xffffffffu, z, 1);
 }
 
-// ---- The wgmma path's epilogue, straight from the accumulators ----
-// Thread (warp, g, t) holds the tile's output positions P(h, r) = 64 h + 16
-// warp + g + 8 r (h, r = 0, 1; positions 16 warp .. + 15 of a half lie in one
-// tile row, as C >= 32) and channels tile_n + 8 j + 2 t + s (j = 0 .. 7, s =
-// 0, 1): acc[h][4 j + 2 r + s] (wgmma.cuh's D layout). Each value is stored
-// where it is (a warp's store covers 8 consecutive positions of 4 channels,
-// NCHW, or 8 channels of 8 positions, NHWC); no barrier, and the patch stays
-// in shared memory for the next tile (the ring of rows).
+// Where the tile starts: image n, output row oh0, column ow0.
+struct TileAt {
+  int n, oh0, ow0;
+};
+
+__device__ __forceinline__ TileAt tile_at(const ConvParams& p, int tile) {
+  const int th = tile % p.tiles_h, tc = (tile / p.tiles_h) % p.tiles_w;
+  return {tile / (p.tiles_w * p.tiles_h), th * (kBM >> p.c_log2), tc << p.c_log2};
+}
 
 // Input rows ih0 .. ih0 + nr - 1 of every channel of image xn, columns
 // iw_base .. + PW - 1 (those in the image), into L2: a prefetch per 128-byte
@@ -343,20 +344,19 @@ __device__ __forceinline__ void prefetch_rows_l2(const ConvParams& p, const T* x
   }
 }
 
+// ---- The wgmma path's epilogue, straight from the accumulators ----
+// Thread (warp, g, t) holds the tile's output positions P(h, r) = 64 h + 16
+// warp + g + 8 r (h, r = 0, 1; positions 16 warp .. + 15 of a half lie in one
+// tile row, as C >= 32) and channels tile_n + 8 j + 2 t + s (j = 0 .. 7, s =
+// 0, 1): acc[h][4 j + 2 r + s] (wgmma.cuh's D layout). Each value is stored
+// where it is (a warp's store covers 8 consecutive positions of 4 channels,
+// NCHW, or 8 channels of 8 positions, NHWC); no barrier, and the patch stays
+// in shared memory for the next tile (the ring of rows).
+
 // The block's bias values in shared memory, after the tile's mask words tw.
 template <typename T>
 __device__ __forceinline__ T* bias_s(u32* tw) {
   return reinterpret_cast<T*>(tw + kTileMaskWords);
-}
-
-// Where the tile starts: image n, output row oh0, column ow0.
-struct TileAt {
-  int n, oh0, ow0;
-};
-
-__device__ __forceinline__ TileAt tile_at(const ConvParams& p, int tile) {
-  const int th = tile % p.tiles_h, tc = (tile / p.tiles_h) % p.tiles_w;
-  return {tile / (p.tiles_w * p.tiles_h), th * (kBM >> p.c_log2), tc << p.c_log2};
 }
 
 // Two consecutive elements to a (2 * sizeof(T))-byte aligned address.
@@ -593,8 +593,8 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
   // planes of PH x PW (the last one zero), then with three passes its small
   // parts at + kPatchPart, then for the wgmma epilogue the tile's mask words
   // [kBN][4] and the bias values [kBN]; the shared-memory epilogue's tile
-  // reuses this space | the
-  // weights (load_weights), small parts at + kWeightPart.
+  // reuses this space | the weights (load_weights), small parts at +
+  // kWeightPart.
   constexpr int kParts = kPasses == 3 ? 2 : 1;
   int* koff = reinterpret_cast<int*>(smem);
   u32* patch = reinterpret_cast<u32*>(smem) + p.kc_pad;
@@ -650,8 +650,8 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
   }
 
   // The wgmma epilogue: NHWC pairs of channels stored together where `pair`;
-  // after the patch, NCHW: the tile's mask words (epilogue_wgmma_nchw) and
-  // its writers' lane constants; the block's bias values (zero past cout).
+  // after the patch, NCHW: the tile's mask words (epilogue_wgmma_nchw); the
+  // block's bias values (zero past cout).
   const bool pair = (p.cout & 1) == 0 && ((u64)y & (2 * sizeof(T) - 1)) == 0;
   u32* tile_words = patch + patch_words;
   if (kWgmma && tid < kBN)

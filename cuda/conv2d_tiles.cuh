@@ -237,9 +237,10 @@ __device__ __forceinline__ int div_by(int x, int d, u32 m) {
   return d == 1 ? x : (int)__umulhi((u32)x, m);
 }
 
-// load_patch's NCHW case for the weight gradient, logical rows l0 .. l0 + nr
-// - 1 of each channel (the others are still in the ring from the previous
-// tile), row l into slot ring_slot(base, l). The block's threads walk
+// load_patch's NCHW case, logical rows l0 .. l0 + nr - 1 of each channel
+// (with a ring of rows, the weight gradient's and the sm_90a forward's, the
+// others are still there from the previous tile), row l into slot
+// ring_slot(base, l). The block's threads walk
 // (row, 4-column group) items kBatch at a time, all loads of a batch issued
 // before any conversion; a thread's items advance by kConvThreads, (row,
 // group) carried forward without a division, the row's channel by a
