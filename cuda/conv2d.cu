@@ -46,18 +46,19 @@
 // (inf in x under an inf weight) gives NaN. |a| within 2^-11 of FLT_MAX
 // rounds to inf.
 //
-// Epilogue. With wgmma each value is stored from the accumulators where it
-// lies (epilogue_wgmma_nchw / _nhwc): no trip through shared memory, so the
-// patch survives the tile, and one-row tiles keep it as a ring of rows (the
-// next output row copies only its sh new input rows, prefetched into L2
-// while the tile before runs). With mma.sync the tile goes through shared
-// memory so that each lane then holds 16 output elements of one line (a
+// Epilogue. With wgmma each value is stored from the accumulators where it lies
+// (epilogue_wgmma_nchw / _nhwc): no trip through shared memory, so the patch
+// survives the tile, and one-row tiles keep it as a ring of rows (the next
+// output row copies only its sh new input rows, brought into a staging area of
+// shared memory by cp.async while the tile before runs, or prefetched into L2
+// where staging does not fit: stage_rows). With mma.sync the tile goes through
+// shared memory so that each lane then holds 16 output elements of one line (a
 // channel's positions for NCHW, a position's channels for NHWC) in runs of 4
 // consecutive ones: four 16-byte shared loads, stores as wide as alignment
 // allows, and the per-line work (address, bias, mask) shared by 16 elements.
-// Either way the value is rounded to T (the convolution's output), then
-// bias, division and LeakyReLU are the elementwise op's own functor and
-// add_bias, so they round exactly as eager PyTorch's separate ops do.
+// Either way the value is rounded to T (the convolution's output), then bias,
+// division and LeakyReLU are the elementwise op's own functor and add_bias, so
+// they round exactly as eager PyTorch's separate ops do.
 //
 // Mask: the format of elementwise.cu (bit i % 32 of word i / 32 is element i,
 // in the output's memory order). The buffer is zeroed before the launch.
@@ -166,7 +167,7 @@ __device__ __forceinline__ void wgmma_load_a(u32 (&a)[2][2][4], const u32 (&addr
 // the terms in mma_step's order, small ones first.
 template <int kPasses>
 __device__ __forceinline__ void wgmma_step(float (&acc)[2][32], const u32 (&a)[2][2][4], u64 b) {
-  constexpr u64 kSmall = kWeightPart * 4 / 16;  // the weights' small part, in descriptor units
+  constexpr u64 kSmall = kWgmmaWeightPart * 4 / 16;  // the weights' small part, in descriptor units
   wgmma_fence();
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -344,14 +345,81 @@ __device__ __forceinline__ void prefetch_rows_l2(const ConvParams& p, const T* x
   }
 }
 
+// The ring's next rows, raw, into a staging area of shared memory by
+// asynchronous copies (cp.async: no registers, no wait here) while this
+// tile's MMAs and epilogue run; the next tile splits them into their ring
+// slots (unstage_rows) with no global load in its way. Rows ih0 .. ih0 + nr
+// - 1 of the cc channels of image xn, 4-column groups from iw_base: item i
+// = (row c nr + l, group) at stage + 4 i, zero-filled outside the image.
+// Only where load_patch's `vec` holds (each group one aligned vector, wholly
+// inside the image or wholly outside). Committed as one group; the next
+// tile waits for it (cp_async_wait_all) before its first barrier.
+template <typename T>
+__device__ __forceinline__ void stage_rows(T* stage, const ConvParams& p, const T* xn, int ih0,
+                                           int nr, int iw_base, int tid) {
+  constexpr int kBytes = 4 * sizeof(T);
+  const int groups = (p.patch_w + 3) >> 2, rows = p.cc * nr;
+  const int step_row = kConvThreads / groups, step_group = kConvThreads - step_row * groups;
+  const u32 mr = div_magic(nr), dst0 = (u32)__cvta_generic_to_shared(stage);
+  for (int row = tid / groups, group = tid - row * groups; row < rows;) {
+    const int c = div_by(row, nr, mr), ih = ih0 + row - c * nr, iw = iw_base + 4 * group;
+    const bool in = c < p.cin && (unsigned)ih < (unsigned)p.h && (unsigned)iw < (unsigned)p.w_in;
+    const T* src = in ? xn + ((long long)c * p.h + ih) * p.w_in + iw : xn;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(
+                     dst0 + (row * groups + group) * kBytes),
+                 "l"(src), "n"(kBytes), "r"(in ? kBytes : 0)
+                 : "memory");
+    group += step_group;
+    row += step_row;
+    if (group >= groups) {
+      group -= groups;
+      ++row;
+    }
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// This thread's asynchronous copies landed (then a barrier shows them to all).
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
+// stage_rows' items split into the patch: logical rows l0 .. l0 + nr - 1 of
+// each channel into slots ring_slot(base, l), columns below PW.
+template <typename T, int kPasses>
+__device__ __forceinline__ void unstage_rows(u32* patch, const T* stage, const ConvParams& p,
+                                             int l0, int nr, int base, int tid) {
+  const int groups = (p.patch_w + 3) >> 2, rows = p.cc * nr;
+  const int step_row = kConvThreads / groups, step_group = kConvThreads - step_row * groups;
+  const u32 mr = div_magic(nr);
+  for (int row = tid / groups, group = tid - row * groups; row < rows;) {
+    const int c = div_by(row, nr, mr), l = l0 + row - c * nr;
+    float v[4];
+    load4(stage + 4 * (row * groups + group), v);
+    u32* dst = patch + (c * p.patch_h + ring_slot(base, l, p.patch_h)) * p.patch_w;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (4 * group + j < p.patch_w) put_split<kPasses>(dst, 4 * group + j, kPatchPart, v[j]);
+    group += step_group;
+    row += step_row;
+    if (group >= groups) {
+      group -= groups;
+      ++row;
+    }
+  }
+}
+
 // ---- The wgmma path's epilogue, straight from the accumulators ----
-// Thread (warp, g, t) holds the tile's output positions P(h, r) = 64 h + 16
-// warp + g + 8 r (h, r = 0, 1; positions 16 warp .. + 15 of a half lie in one
-// tile row, as C >= 32) and channels tile_n + 8 j + 2 t + s (j = 0 .. 7, s =
-// 0, 1): acc[h][4 j + 2 r + s] (wgmma.cuh's D layout). Each value is stored
-// where it is (a warp's store covers 8 consecutive positions of 4 channels,
-// NCHW, or 8 channels of 8 positions, NHWC); no barrier, and the patch stays
-// in shared memory for the next tile (the ring of rows).
+// The MMA's accumulator rows are mapped to output positions so that each
+// thread holds 4 consecutive ones: thread (warp, g, t) holds positions
+// P(h, r) = 32 warp + 4 g + 2 h + r (h, r = 0, 1: M-half h's row 16 warp +
+// g + 8 r, wgmma.cuh's D layout; the A fragments load those positions'
+// patch, a_wg) and channels tile_n + 8 j + 2 t + s (j = 0 .. 7, s = 0, 1):
+// acc[h][4 j + 2 r + s]. The 4 positions lie in one tile row (C >= 32), so
+// NCHW stores each channel's 4 values at once (16 bytes for float32; a
+// warp's store covers 32 consecutive positions of 4 channels), and NHWC
+// stores pairs of channels. No barrier: the patch stays in shared memory
+// for the next tile (the ring of rows).
 
 // The block's bias values in shared memory, after the tile's mask words tw.
 template <typename T>
@@ -374,17 +442,17 @@ __device__ __forceinline__ void store2(T* dst, T a, T b) {
     *reinterpret_cast<u32*>(dst) = out.w[0];
 }
 
-// An 8 x 8 bit transpose over the 8 lanes of equal t (g = lane / 4), in
-// each byte of x: bit k of byte v in lane g comes back as bit g of byte v in
-// lane k. Three exchanges, each swapping one bit of the row (lane) and
-// column (bit) index: with lane ^ 4b, lanes whose g has bit b keep the
-// columns with bit b set and take their partner's (the other half's).
-__device__ __forceinline__ u32 transpose8x8(u32 x, int g) {
+// An 8 x 8 transpose of 4-bit elements over the 8 lanes of equal t (g =
+// lane / 4): nibble c of x in lane g comes back as nibble g in lane c.
+// Three exchanges, each swapping one bit of the row (lane) and column
+// (nibble) index: with lane ^ 4b, lanes whose g has bit b keep the columns
+// with bit b set and take their partner's others, moved by b columns.
+__device__ __forceinline__ u32 transpose_nibbles(u32 x, int g) {
 #pragma unroll
   for (int b = 4; b >= 1; b >>= 1) {
-    const u32 lo = b == 4 ? 0x0f0f0f0fu : b == 2 ? 0x33333333u : 0x55555555u;  // column bit b clear
+    const u32 lo = b == 4 ? 0x0000ffffu : b == 2 ? 0x00ff00ffu : 0x0f0f0f0fu;  // column bit b clear
     const u32 y = __shfl_xor_sync(0xffffffffu, x, 4 * b);
-    x = g & b ? (x & ~lo) | ((y >> b) & lo) : (x & lo) | ((y << b) & ~lo);
+    x = g & b ? (x & ~lo) | ((y >> (4 * b)) & lo) : (x & lo) | ((y << (4 * b)) & ~lo);
   }
   return x;
 }
@@ -395,12 +463,13 @@ __device__ __forceinline__ u32 transpose8x8(u32 x, int g) {
 // its edge, past cout) are dropped where the words are stored
 // (store_mask_word), so no test is spent per bit.
 //
-// NCHW. Mask: the tile's words go to tw[line * 4 + u] (line: channel tile_n
-// + line; u: positions 32 u .. 32 u + 31, two halves of 16 from warps 2 u %
-// 4 and + 1), written out by put_tile_mask_nchw after a barrier. Per half a
-// lane gathers its 32 bits in one word (bit 16 s + 8 r + j); transpose8x8
-// leaves lane g those of channels 8 g + 2 t + s, positions 16 warp + g' +
-// 8 r at bit 16 s + 8 r + g' (g' = 0 .. 7).
+// NCHW. A channel's 4 values go out by store_n (as wide as alignment
+// allows). Mask: the tile's words go to tw[line * 4 + u] (line: channel
+// tile_n + line; u: positions 32 u .. 32 u + 31, warp u's), written out by
+// put_tile_mask_nchw after a barrier. A lane gathers a nibble per channel
+// (bit 2 h + r), 8 channels (2 j + s = 8 i + c) per word i;
+// transpose_nibbles leaves lane g the word of channel 8 i + g: positions 32
+// warp + 4 g' + q at bit 4 g' + q.
 template <typename T, bool kAllChannels, typename Op>
 __device__ __forceinline__ void epilogue_wgmma_nchw(const float (&acc)[2][32], const ConvParams& p,
                                                     T* y, bool has_bias, const Op& op,
@@ -410,40 +479,37 @@ __device__ __forceinline__ void epilogue_wgmma_nchw(const float (&acc)[2][32], c
   const long long out_plane = (long long)p.oh * p.ow;
   // channel 2 t + 8 j + s exists where 8 j + s < c_left
   const int c_left = p.cout - tile_n - 2 * t;
-  u16* tw16 = reinterpret_cast<u16*>(tw);
+  const int pos = 32 * warp + 4 * g, row = pos >> p.c_log2, col = pos & (cols - 1);
+  const int valid = at.oh0 + row < p.oh ? max(0, min(4, p.ow - at.ow0 - col)) : 0;
+  // channels 2 t + 8 j + s, stepped along (j, s) (a 64-bit add, cheaper
+  // than a product per store)
+  T* yc = y + ((long long)at.n * p.cout + tile_n + 2 * t) * out_plane +
+          (long long)(at.oh0 + row) * p.ow + at.ow0 + col;
+  u32 word[2] = {0u, 0u};
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int pos = 64 * h + 16 * warp + g, row = pos >> p.c_log2, col = pos & (cols - 1);
-    const bool row_ok = at.oh0 + row < p.oh;
-    const bool ok[2] = {row_ok && at.ow0 + col < p.ow, row_ok && at.ow0 + col + 8 < p.ow};
-    // channels 2 t + 8 j (s = 0) and + 1, stepped along j (64-bit adds,
-    // cheaper than a product per store)
-    T* yc[2];
-    yc[0] = y + ((long long)at.n * p.cout + tile_n + 2 * t) * out_plane +
-            (long long)(at.oh0 + row) * p.ow + at.ow0 + col;
-    yc[1] = yc[0] + out_plane;
-    u32 word = 0;
+  for (int j = 0; j < 8; ++j) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    for (int s = 0; s < 2; ++s) {
+      const bool c_ok = kAllChannels || 8 * j + s < c_left;
+      const T b = bias_s<T>(tw)[2 * t + 8 * j + s];
+      T v[4];
+      u32 bits = 0;
 #pragma unroll
-      for (int s = 0; s < 2; ++s) {
-        const bool c_ok = kAllChannels || 8 * j + s < c_left;
-        const T b = bias_s<T>(tw)[2 * t + 8 * j + s];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          bool bit;
-          const T v = epilogue_value(acc[h][4 * j + 2 * r + s], op, has_bias, b, alpha, bit);
-          if (ok[r] && c_ok) yc[s][8 * r] = v;
-          word |= (u32)bit << (16 * s + 8 * r + j);
-        }
-        yc[s] += 8 * out_plane;
+      for (int q = 0; q < 4; ++q) {
+        bool bit;
+        v[q] = epilogue_value(acc[q >> 1][4 * j + 2 * (q & 1) + s], op, has_bias, b, alpha, bit);
+        bits |= (u32)bit << q;
       }
+      store_n(yc, v, c_ok ? valid : 0);
+      yc += s == 0 ? out_plane : 7 * out_plane;
+      word[j >> 2] |= bits << (4 * (2 * (j & 3) + s));
     }
-    if (p.mask) {
-      const u32 m = transpose8x8(word, g);
-      const int c = 8 * g + 2 * t;
-      tw16[c * 8 + 4 * h + warp] = (u16)m;
-      tw16[(c + 1) * 8 + 4 * h + warp] = (u16)(m >> 16);
+  }
+  if (p.mask) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int c = 8 * i + g, line = 8 * (c >> 1) + 2 * t + (c & 1);
+      tw[line * 4 + warp] = transpose_nibbles(word[i], g);
     }
   }
 }
@@ -453,7 +519,8 @@ __device__ __forceinline__ void epilogue_wgmma_nchw(const float (&acc)[2][32], c
 // mr (nchw_mask_lane), as in the shared-memory epilogue.
 __device__ __forceinline__ MaskLane nchw_mask_lane(const ConvParams& p, int tid, int& mr) {
   const int j = tid & 7, wpr = 1 << (p.c_log2 - 5);
-  mr = j / (wpr + 1);
+  // j / (wpr + 1) for j < 8: a multiply by ceil(64 / (wpr + 1)), shifted
+  mr = (j * (wpr == 1 ? 32 : wpr == 2 ? 22 : 13)) >> 6;
   return mask_lane(0, 1, mr * wpr, wpr, j - mr * (wpr + 1), mr < (kBM >> p.c_log2));
 }
 
@@ -464,13 +531,14 @@ __device__ __forceinline__ void put_tile_mask_nchw(const ConvParams& p, const u3
   const bool row = (ml.use_hi || ml.use_lo) && at.oh0 + mr < p.oh;
   const int len = row ? min(1 << p.c_log2, p.ow - at.ow0) : 0;
   const long long out_plane = (long long)p.oh * p.ow;
-  const long long e0 =
-      ((long long)at.n * p.cout + tile_n) * out_plane + (long long)(at.oh0 + mr) * p.ow + at.ow0;
   const int lines = min(kBN, p.cout - tile_n);
+  long long e = ((long long)at.n * p.cout + tile_n + (tid >> 3)) * out_plane +
+                (long long)(at.oh0 + mr) * p.ow + at.ow0;  // line tid / 8's row mr
   for (int line = tid >> 3; line < lines; line += kConvThreads / 8) {
     const u32* w = tw + line * 4;
-    store_mask_word(p.mask, ml.use_hi ? w[ml.src_hi] : 0u, ml.use_lo ? w[ml.src_lo] : 0u, ml.k,
-                    e0 + line * out_plane, len);
+    store_mask_word(p.mask, ml.use_hi ? w[ml.src_hi] : 0u, ml.use_lo ? w[ml.src_lo] : 0u, ml.k, e,
+                    len);
+    e += kConvThreads / 8 * out_plane;
   }
 }
 
@@ -497,7 +565,7 @@ __device__ __forceinline__ void epilogue_wgmma_nhwc(const float (&acc)[2][32], c
   for (int h = 0; h < 2; ++h)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int pos = 64 * h + 16 * warp + g + 8 * r, row = pos >> p.c_log2, col = pos & (cols - 1);
+      const int pos = 32 * warp + 4 * g + 2 * h + r, row = pos >> p.c_log2, col = pos & (cols - 1);
       const bool ok = at.oh0 + row < p.oh && at.ow0 + col < p.ow;
       const long long e =  // the element of (this position, channel tile_n)
           (((long long)at.n * p.oh + at.oh0 + row) * p.ow + at.ow0 + col) * p.cout + tile_n;
@@ -554,7 +622,7 @@ __device__ __forceinline__ void load_weights(u32* bs, const ConvParams& p, const
     const int kq = p.kc_pad >> 2;
     for (int cm = warp; cm < (kBN / 8) * kq; cm += kConvThreads / 32) {
       const int r = (cm / kq) * 8 + (lane >> 2), k = (cm % kq) * 4 + (lane & 3);
-      put_split<kPasses>(bs, cm * 32 + lane, kWeightPart, weight(r, k));
+      put_split<kPasses>(bs, cm * 32 + lane, kWgmmaWeightPart, weight(r, k));
     }
     wgmma_fence_smem();  // the wgmmas read them through the async proxy
   } else {
@@ -567,8 +635,12 @@ __device__ __forceinline__ void load_weights(u32* bs, const ConvParams& p, const
 }
 
 // Blocks per SM the registers must allow (the shared memory plan in
-// _conv.tiling matches): three with three passes, four with one, except on
-// sm_100 and later, where ptxas needs a few more than 128 registers.
+// _conv.tiling fits them): three with three passes, four with one, except on
+// sm_100 and later, where ptxas needs a few more than 128 registers, and for
+// float32 NCHW on sm_90a, whose one pass measured faster with three (more
+// registers for the epilogue: 453 against 478 and 461 against 467 us at the
+// seed shape, Nsight, two calls; 16-bit types and NHWC the other way, 438
+// against 410 and 441 against 406).
 #if __CUDA_ARCH__ >= 1000
 constexpr int kOnePassBlocks = 3;
 #else
@@ -576,8 +648,10 @@ constexpr int kOnePassBlocks = 4;
 #endif
 
 template <typename T, int kPasses, bool kChannelsLast>
-__global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlocks)
-    conv2d_kernel(const ConvParams p) {
+__global__ void __launch_bounds__(kConvThreads,
+                                  kPasses == 3 || (kWgmma && sizeof(T) == 4 && !kChannelsLast)
+                                      ? 3
+                                      : kOnePassBlocks) conv2d_kernel(const ConvParams p) {
   static_assert(kPasses == 1 || kPasses == 3, "one TF32 pass or the 3xTF32 split");
   extern __shared__ __align__(16) float smem[];
   const T* x = static_cast<const T*>(p.x);
@@ -594,14 +668,17 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
   // parts at + kPatchPart, then for the wgmma epilogue the tile's mask words
   // [kBN][4] and the bias values [kBN]; the shared-memory epilogue's tile
   // reuses this space | the weights (load_weights), small parts at +
-  // kWeightPart.
+  // kWeightPart (wgmma: + kWgmmaWeightPart). On wgmma the ring's staging
+  // area (stage_rows) takes unused space: after the bias, else after the
+  // weights.
   constexpr int kParts = kPasses == 3 ? 2 : 1;
   int* koff = reinterpret_cast<int*>(smem);
   u32* patch = reinterpret_cast<u32*>(smem) + p.kc_pad;
   const int patch_words = kParts == 2 ? 2 * kPatchPart : (p.cc + 1) * plane;
   const int region = patch_words + kAfterPatchWords;
   // (16-byte aligned: the wgmma descriptors address it in 16-byte units)
-  u32* bs = patch + (((region > kEpilogueFloats ? region : kEpilogueFloats) + 3) & ~3);
+  const int region_alloc = ((region > kEpilogueFloats ? region : kEpilogueFloats) + 3) & ~3;
+  u32* bs = patch + region_alloc;
   constexpr int kBS = kWeightStride;
 
   // Shared addresses of this thread's A rows at depth 0: with mma.sync eight
@@ -620,7 +697,7 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       a_addr[i][h] = row_addr(wm * 64 + i * 16 + g + h * 8);
-      if (i < 2) a_wg[i][h] = row_addr(i * 64 + warp * 16 + g + h * 8);
+      if (i < 2) a_wg[i][h] = row_addr(32 * warp + 4 * g + 2 * i + h);  // (the epilogue's P(i, h))
     }
   const u32 b_addr = (u32)__cvta_generic_to_shared(bs) + (t * kBS + wn * 32 + g) * 4;
   const u64 b_desc = wgmma_desc((u32)__cvta_generic_to_shared(bs), p.kc_pad * 32);
@@ -667,7 +744,29 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
   const int tile_first = blockIdx.x * p.tiles_per_split;
   const int tile_end = min(tiles, tile_first + p.tiles_per_split);
   const bool ring = kWgmma && !kChannelsLast && one_chunk && p.c_log2 == 7;
+  // The ring's next rows come by asynchronous copies (stage_rows) where their
+  // vectors line up with the patch columns (load_patch's vec: iw_base = ow0
+  // sw - pw, ow0 a multiple of 128) and the staging area fits in unused
+  // shared memory: the region's, after the mask words and the bias, or else
+  // the weights' tail past kc_pad depths; otherwise an L2 prefetch ahead of
+  // plain loads.
+  const int fresh_rows = min(p.sh, p.patch_h);
+  const int stage_words = p.cc * fresh_rows * ((p.patch_w + 3) >> 2) * (int)sizeof(T);
+  const int w_used = (kParts == 2 ? kWgmmaWeightPart : 0) + kBN * p.kc_pad;  // (multiples of 4)
+  const int w_alloc = kParts == 2 ? 2 * kWeightPart : p.kc_pad * kWeightStride;
+  const int stage_at = (region + 3) & ~3;
+  T* stage =
+      reinterpret_cast<T*>(stage_at + stage_words <= region_alloc ? patch + stage_at : bs + w_used);
+  const bool stage_ok = ring && (p.w_in & 3) == 0 && (p.pw & 3) == 0 &&
+                        ((u64)x & (4 * sizeof(T) - 1)) == 0 &&
+                        (stage_at + stage_words <= region_alloc || w_used + stage_words <= w_alloc);
+  bool staged = false;  // this tile's new rows wait in the staging area
   if (!ring) build_koff(koff, p, tid, 0);
+  // The ring's koff changes with its base each tile: where one thread per
+  // depth suffices, each keeps its depth's parts in registers (no division
+  // per tile).
+  const bool k_own = ring && p.kc_pad <= kConvThreads;
+  const KDepth k_mine = k_own && tid < p.kc_pad ? k_depth(p, tid) : KDepth{0, -1};
   if (kWgmma)  // the zero plane, once (only the shared-memory epilogue overwrites it)
     for (int i = tid; i < plane; i += kConvThreads)
       put_split<kPasses>(patch, p.cc * plane + i, kPatchPart, 0.f);
@@ -675,6 +774,10 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
   // after the next barrier (the next tile's first, or the last one).
   const bool nchw_mask = kWgmma && !kChannelsLast && p.mask;
   TileAt at = tile_at(p, tile_first);  // this tile's rectangle: image n, rows oh0.., columns ow0..
+  // The ring's first row of the tile (input row oh0 sh - ph) sits in slot
+  // (oh0 sh) % PH, stepped along with the tiles (sh % PH on per row).
+  const int base_step = ring ? p.sh % p.patch_h : 0;
+  int base = ring ? at.oh0 * p.sh % p.patch_h : 0;
 
   for (int tile = tile_first; tile < tile_end; ++tile) {
     float acc[4][4][4], wacc[2][32];  // mma.sync's, wgmma's
@@ -689,13 +792,17 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
         }
 
     for (int c0 = 0; c0 < p.cin; c0 += p.cc) {
+      if (staged) cp_async_wait_all();
       __syncthreads();  // the previous MMAs and epilogue are done with shared memory
       if (c0 == 0 && tile > tile_first) {
         if (nchw_mask) put_tile_mask_nchw(p, tile_words, at, tile_n, tid);
         // the next tile: one row tile down, or the next column or image
         at.oh0 += kBM >> p.c_log2;
+        if (ring)
+          base = base + base_step >= p.patch_h ? base + base_step - p.patch_h : base + base_step;
         if (at.oh0 >= p.tiles_h * (kBM >> p.c_log2)) {
           at.oh0 = 0;
+          if (ring) base = 0;
           at.ow0 += cols;
           if (at.ow0 >= p.tiles_w * cols) {
             at.ow0 = 0;
@@ -706,22 +813,33 @@ __global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 3 : kOnePassBlock
       const int n = at.n, oh0 = at.oh0, ow0 = at.ow0;
       const int ih_base = oh0 * p.sh - p.ph, iw_base = ow0 * p.sw - p.pw;
       const T* xn = x + (long long)n * image;
-      const int fresh = ring && oh0 > 0 && tile > tile_first ? min(p.sh, p.patch_h) : p.patch_h;
-      const int base = ring ? (oh0 * p.sh) % p.patch_h : 0;
+      const int fresh = ring && oh0 > 0 && tile > tile_first ? fresh_rows : p.patch_h;
       if (!kWgmma && c0 == 0)
         for (int i = tid; i < plane; i += kConvThreads)
           put_split<kPasses>(patch, p.cc * plane + i, kPatchPart, 0.f);
-      if (ring) build_koff(koff, p, tid, base);
-      load_patch<T, kPasses, kChannelsLast>(patch, p, xn, c0, ih_base, iw_base, tid,
-                                            p.patch_h - fresh, fresh, base);
+      if (k_own && tid < p.kc_pad)
+        koff[tid] = k_offset(p, k_mine, base);
+      else if (ring && !k_own)
+        build_koff(koff, p, tid, base);
+      if (staged)
+        unstage_rows<T, kPasses>(patch, stage, p, p.patch_h - fresh, fresh, base, tid);
+      else
+        load_patch<T, kPasses, kChannelsLast>(patch, p, xn, c0, ih_base, iw_base, tid,
+                                              p.patch_h - fresh, fresh, base);
+      staged = false;
       if (!one_chunk || tile == tile_first) load_weights<T, kPasses>(bs, p, w, tile_n, c0, tid);
       __syncthreads();
-      // The ring's next rows (those of the next output row) on their way to
-      // L2 while this tile's MMAs and epilogue run: its copy then waits on
-      // L2, not on DRAM.
-      if (ring && tile + 1 < tile_end && oh0 + 1 < p.tiles_h)
-        prefetch_rows_l2(p, xn, ih_base + p.patch_h + p.sh - min(p.sh, p.patch_h),
-                         min(p.sh, p.patch_h), iw_base, tid);
+      // The ring's next rows (those of the next output row) on their way
+      // while this tile's MMAs and epilogue run: into the staging area, or
+      // into L2 (its copy then waits on L2, not on DRAM).
+      if (ring && tile + 1 < tile_end && oh0 + 1 < p.tiles_h) {
+        const int ih_next = ih_base + p.patch_h + p.sh - fresh_rows;
+        if (stage_ok)
+          stage_rows(stage, p, xn, ih_next, fresh_rows, iw_base, tid);
+        else
+          prefetch_rows_l2(p, xn, ih_next, fresh_rows, iw_base, tid);
+        staged = stage_ok;
+      }
 
       if constexpr (kWgmma) {
         wgmma_chunk<kPasses>(wacc, a_wg, koff, b_desc, p.kc_pad, t);

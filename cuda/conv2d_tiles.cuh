@@ -177,6 +177,10 @@ __device__ __forceinline__ void load4(const T* src, float (&v)[4]) {
 constexpr int kPatchPart = 4096;
 constexpr int kWeightStride = 72;  // words per depth row of the weights: (8t + g) % 32 distinct
 constexpr int kWeightPart = 72 * kWeightStride;
+// The sm_90a forward's weights are [kBN][kc_pad] per part (K-major core
+// matrices), the small part kBN x 72 words on; the allocation (kWeightPart
+// per part) leaves the rest free (the ring's staging area may use it).
+constexpr int kWgmmaWeightPart = kBN * 72;
 
 // v[0] = the word at shared address addr (the big part), v[1] = the small one.
 template <int kParts, int kSmallBytes>
@@ -215,19 +219,30 @@ __device__ __forceinline__ int ring_slot(int base, int l, int ph) {
   return s >= ph ? s - ph : s;
 }
 
+// Depth k = (ci, r, s) of a chunk in the patch: word fix + the row slot's
+// (row r * dh, -1 for depth past the chunk's, the padding up to kc_pad,
+// which reads the zero plane at fix).
+struct KDepth {
+  int fix, row;
+};
+
+__device__ __forceinline__ KDepth k_depth(const ConvParams& p, int k) {
+  const int khw = p.kh * p.kw, plane = p.patch_h * p.patch_w;
+  if (k >= p.cc * khw) return {p.cc * plane, -1};
+  const int ci = k / khw, rs = k - ci * khw, r = rs / p.kw, s = rs - r * p.kw;
+  return {ci * plane + s * p.dw, r * p.dh};
+}
+
+// Its byte offset for a tile whose first row sits in ring slot `base`.
+__device__ __forceinline__ int k_offset(const ConvParams& p, KDepth d, int base) {
+  return 4 * (d.row < 0 ? d.fix : d.fix + ring_slot(base, d.row, p.patch_h) * p.patch_w);
+}
+
 // koff[k]: the byte offset in the patch of depth k = (ci, r, s) of a chunk,
 // its row r * dh in slot ring_slot(base, r * dh) (base 0: row r * dh); depth
-// past the chunk's (the padding up to kc_pad) points at the zero plane.
+// past the chunk's points at the zero plane.
 __device__ __forceinline__ void build_koff(int* koff, const ConvParams& p, int tid, int base) {
-  const int khw = p.kh * p.kw, kc = p.cc * khw, plane = p.patch_h * p.patch_w;
-  for (int k = tid; k < p.kc_pad; k += kConvThreads) {
-    int off = p.cc * plane;
-    if (k < kc) {
-      const int ci = k / khw, rs = k - ci * khw, r = rs / p.kw, s = rs - r * p.kw;
-      off = ci * plane + ring_slot(base, r * p.dh, p.patch_h) * p.patch_w + s * p.dw;
-    }
-    koff[k] = off * 4;
-  }
+  for (int k = tid; k < p.kc_pad; k += kConvThreads) koff[k] = k_offset(p, k_depth(p, k), base);
 }
 
 // x / d for 0 <= x, x d < 2^32, with m = div_magic(d): one multiply-high

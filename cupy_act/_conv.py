@@ -233,6 +233,25 @@ def _forward_smem(n_passes: int, cc: int, kc_pad: int, ph: int, pw: int) -> int 
     return 4 * (kc_pad + region + (2 * WEIGHT_PART if n_passes == 3 else kc_pad * WEIGHT_STRIDE))
 
 
+def ring_staged(g: Geometry, tl: Tiling, n_passes: int, itemsize: int) -> bool:
+    """Whether the sm_90a forward (NCHW) keeps the patch as a ring of rows whose
+    new rows arrive by asynchronous copies into a staging area (conv2d.cu's
+    stage_ok), for x 16-byte aligned: one-row tiles, one channel chunk, the
+    rows' 4-element vectors lined up with the patch columns, and the staging
+    area within unused shared memory (after the bias, else after the weights).
+    The kernel decides for itself; tests use this to cover both ways."""
+    if tl.c_log2 != 7 or g.cin > tl.cc or g.w % 4 or g.padding[1] % 4:
+        return False
+    part = (tl.cc + 1) * tl.patch_h * tl.patch_w
+    patch = 2 * PATCH_PART if n_passes == 3 else part
+    region = -(-max(patch + AFTER_PATCH_WORDS, EPILOGUE_FLOATS) // 4) * 4
+    stage = tl.cc * min(g.stride[0], tl.patch_h) * -(-tl.patch_w // 4) * itemsize
+    w_used = (TILE_N * 72 if n_passes == 3 else 0) + TILE_N * tl.kc_pad
+    w_alloc = 2 * WEIGHT_PART if n_passes == 3 else tl.kc_pad * WEIGHT_STRIDE
+    at = -(-(patch + AFTER_PATCH_WORDS) // 4) * 4
+    return at + stage <= region or w_used + stage <= w_alloc
+
+
 @functools.lru_cache(maxsize=4096)  # (a Python search: cached per shape)
 def tiling(g: Geometry, n_passes: int) -> Tiling | None:
     """The widest rectangle (C = 128, 64 or 32, at least the output width where
@@ -250,10 +269,11 @@ def tiling(g: Geometry, n_passes: int) -> Tiling | None:
 
 
 @functools.lru_cache(maxsize=4096)
-def launch_tiling(g: Geometry, n_passes: int) -> Tiling:
-    """``tiling`` with the patch rows spaced for the MMA loads (``_spaced``)
-    within the same shared-memory limit. Apart from ``tiling``, which ``fits``
-    calls where torch.compile traces: it would trace this search."""
+def launch_tiling(g: Geometry, n_passes: int, wgmma: bool = False) -> Tiling:
+    """``tiling`` with the patch rows spaced for the MMA loads (``_spaced``;
+    ``wgmma``: for the sm_90a kernel's, else mma.sync's) within the same
+    shared-memory limit. Apart from ``tiling``, which ``fits`` calls where
+    torch.compile traces: it would trace this search."""
     tl = tiling(g, n_passes)
     assert tl is not None, "callers check fits()"
     limit = SMEM_TARGET[n_passes] if tl.smem <= SMEM_TARGET[n_passes] else SMEM_MAX
@@ -262,7 +282,7 @@ def launch_tiling(g: Geometry, n_passes: int) -> Tiling:
         b = _forward_smem(n_passes, tl.cc, tl.kc_pad, tl.patch_h, w)
         return b if b is not None and b <= limit else None
 
-    return _spaced(g, "forward", tl, smem)
+    return _spaced(g, "forward_wgmma" if wgmma else "forward", tl, smem)
 
 
 def _spaced(g: Geometry, kernel: str, tl: Tiling, smem) -> Tiling:
@@ -447,7 +467,7 @@ def launch(
     if g.n * g.oh * g.ow == 0:
         return
     n_passes = passes(dtype, precision)
-    tl = launch_tiling(g, n_passes)
+    tl = launch_tiling(g, n_passes, _sm(device) == 90)
     k = kernel(device, dtype, n_passes, channels_last)
     _allow_smem(k, tl.smem)
     # A persistent grid: each block walks a run of consecutive tiles (down the
@@ -519,8 +539,9 @@ def _patch_wavefronts(g: Geometry, kernel: str, tl: Tiling, stride: int) -> int:
     MMA loop, for patch rows ``stride`` words apart; a load takes as many
     wavefronts as the most distinct words in one of the 32 banks.
 
-    "forward" (cuda/conv2d.cu): lane (g, t) reads position g (and g + 8) at
-    depth k0 + t (and k0 + t + 4), summed over the depth steps k0.
+    "forward" (cuda/conv2d.cu, mma.sync): lane (g, t) reads position g (and
+    g + 8) at depth k0 + t (and k0 + t + 4), summed over the depth steps k0.
+    "forward_wgmma" (sm_90a): the same but positions 4g + q (q = 0 .. 3).
     "wgrad" (cuda/conv2d_wgrad.cu, wgrad_step): lane (g, t) of load q in
     column tile j reads depth 8j + g at position 2t + q, summed over the
     column tiles, both loads and, for one-row tiles (a ring of rows), every
@@ -543,6 +564,9 @@ def _patch_wavefronts(g: Geometry, kernel: str, tl: Tiling, stride: int) -> int:
         if kernel == "wgrad":
             loads = [[off + (2 * t + q) * sw for off in offs[j : j + 8] for t in range(4)]
                      for j in range(0, kc_pad, 8) for q in range(2)]  # fmt: skip
+        elif kernel == "forward_wgmma":
+            loads = [[(4 * m + q) * sw + offs[k0 + h + t] for m in range(8) for t in range(4)]
+                     for k0 in range(0, kc_pad, 8) for h in (0, 4) for q in range(4)]  # fmt: skip
         else:
             loads = [[(g8 + m) * sw + offs[k0 + h + t] for m in range(8) for t in range(4)]
                      for k0 in range(0, kc_pad, 8) for h in (0, 4) for g8 in (0, 8)]  # fmt: skip

@@ -54,13 +54,14 @@ if has sanitizer; then
   echo "sanitizer rc=$?" >> "$OUT/sanitizer.log"
   # the fused convolution: masks over broken and whole words, both layouts, odd shapes
   timeout 200 compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_conv.py -k "mask_decodes or empty_batch or odd_patch or (accuracy and (case3- or case17-)) or (wide_outputs and (wide0 or wide3 or wide4) and dtype0-fused-)" \
+    tests/test_conv.py -k "mask_decodes or empty_batch or odd_patch or (accuracy and (case3- or case17-)) or (wide_outputs and (wide0 or wide3 or wide4) and dtype0-fused-) or (staged and (dtype0 or dtype2))" \
     > "$OUT/sanitizer_conv.log" 2>&1
   echo "sanitizer rc=$?" >> "$OUT/sanitizer_conv.log"
   # the forward's tile in shared memory read back by other warps: the epilogue
-  # tile (mma.sync) or the mask words and the bias (sm_90a)
+  # tile (mma.sync) or the mask words and the bias (sm_90a), and the rows
+  # staged by cp.async for the next tile (sm_90a)
   timeout 200 compute-sanitizer --tool racecheck --kernel-name kns=conv2d_kernel --error-exitcode 99 \
-    python3 -m pytest -q -p no:cacheprovider tests/test_conv.py -k "mask_decodes and float32" \
+    python3 -m pytest -q -p no:cacheprovider tests/test_conv.py -k "(mask_decodes and float32) or (staged0 and dtype0)" \
     >> "$OUT/sanitizer_conv.log" 2>&1
   echo "racecheck rc=$?" >> "$OUT/sanitizer_conv.log"
   # the fused weight gradient: partial tiles, both layouts, empty batch, many

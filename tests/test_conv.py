@@ -163,22 +163,23 @@ def test_tiling_fits_shared_memory(xs, ws, stride, padding, dilation):
     assert t.kc_pad % 8 == 0 and t.kc_pad >= t.cc * g.kh * g.kw and 1 <= t.cc <= g.cin
 
 
+@pytest.mark.parametrize("wgmma", [False, True], ids=["mma_sync", "wgmma"])
 @pytest.mark.parametrize("n_passes", [1, 3])
 @pytest.mark.parametrize("xs, ws, stride, padding, dilation", GEOMETRIES)
 def test_launch_tiling_spaces_patch_rows_within_the_same_limit(
-    xs, ws, stride, padding, dilation, n_passes
+    xs, ws, stride, padding, dilation, n_passes, wgmma
 ):
     """The launch's patch rows are 0-31 words further apart than ``tiling``'s,
     the shared memory within the same limit, the rest unchanged, and the MMA
-    loads take no more wavefronts."""
+    loads (mma.sync's or sm_90a's) take no more wavefronts."""
     g = _conv.geometry("f", xs, ws, stride, padding, dilation)
-    t, spaced = _conv.tiling(g, n_passes), _conv.launch_tiling(g, n_passes)
+    t, spaced = _conv.tiling(g, n_passes), _conv.launch_tiling(g, n_passes, wgmma)
     assert t.patch_w <= spaced.patch_w < t.patch_w + 32
     assert spaced._replace(patch_w=t.patch_w, smem=t.smem) == t
     limit = _conv.SMEM_TARGET[n_passes] if t.smem <= _conv.SMEM_TARGET[n_passes] else _conv.SMEM_MAX
     assert spaced.smem <= limit
-    cost = _conv._patch_wavefronts
-    assert cost(g, "forward", t, spaced.patch_w) <= cost(g, "forward", t, t.patch_w)
+    cost, kernel = _conv._patch_wavefronts, "forward_wgmma" if wgmma else "forward"
+    assert cost(g, kernel, t, spaced.patch_w) <= cost(g, kernel, t, t.patch_w)
 
 
 def test_seed_patch_loads_take_one_wavefront_each():
@@ -186,12 +187,16 @@ def test_seed_patch_loads_take_one_wavefront_each():
     patch rows put the forward's A loads 2 wavefronts deep and the weight
     gradient's B loads up to 4; the spaced rows (138 and 139 words) take one
     per load: 9 depth steps x 2 x 2 loads, and 3 ring rotations x 9 column
-    tiles x 2 loads."""
+    tiles x 2 loads. The sm_90a forward's loads (4 consecutive positions per
+    lane) take 2 at 130 and 138 words, one at 131: 9 depth steps x 2 x 4."""
     g = _conv.geometry("f", (128, 8, 128, 128), (64, 8, 3, 3))
     t = _conv.tiling(g, 3)
     assert t.patch_w == 130 and _conv.launch_tiling(g, 3).patch_w == 138
     assert _conv._patch_wavefronts(g, "forward", t, 130) == 72
     assert _conv._patch_wavefronts(g, "forward", t, 138) == 36
+    assert _conv.launch_tiling(g, 3, True).patch_w == 131
+    assert _conv._patch_wavefronts(g, "forward_wgmma", t, 138) == 144
+    assert _conv._patch_wavefronts(g, "forward_wgmma", t, 131) == 72
     w = _conv.wgrad_tiling(g, 3)
     assert _conv._patch_wavefronts(g, "wgrad", w, 130) == 164
     assert _conv._patch_wavefronts(g, "wgrad", w, 139) == 54
@@ -376,16 +381,17 @@ def test_fused_forward_accuracy(case, dtype, algorithm, cl):
 # One-pass shapes whose patch (words, with the zero plane) is odd and, with
 # what follows it (a tile's mask words, the bias), larger than the epilogue
 # tile: the weights after it start 16-byte aligned (as the wgmma descriptors
-# need, conv2d.cu) only because the kernel rounds up.
+# need, conv2d.cu) only because the kernel rounds up (with the sm_90a
+# kernel's row spacing).
 ODD_PATCH_CASES = [
-    ((1, 2, 27, 71), (8, 2, 7, 3), (2, 2), 0, (3, 1)),
-    ((1, 6, 40, 125), (8, 6, 2, 1), (3, 3), 0, (3, 1)),
+    ((1, 8, 22, 78), (8, 8, 3, 1), (2, 3), 0, (3, 1)),
+    ((1, 2, 56, 127), (8, 2, 6, 1), (1, 3), 0, (3, 2)),
 ]
 
 
 def test_odd_patch_cases_have_odd_patches():
     for xs, ws, stride, padding, dilation in ODD_PATCH_CASES:
-        t = _conv.launch_tiling(_conv.geometry("f", xs, ws, stride, padding, dilation), 1)
+        t = _conv.launch_tiling(_conv.geometry("f", xs, ws, stride, padding, dilation), 1, True)
         words = (t.cc + 1) * t.patch_h * t.patch_w
         assert words + _conv.AFTER_PATCH_WORDS > _conv.EPILOGUE_FLOATS and words % 2, t
         assert t.smem % 16 == 0
@@ -448,6 +454,58 @@ def test_fused_forward_on_wide_outputs(case, dtype, algorithm, cl):
     y, mask = conv.fused_forward(x, w, b, DIVISOR, SLOPE, *spd, algorithm == "fused_tf32", True)
     bits = _impl.mask_to_bits(mask.cpu(), tuple(y.shape), _impl.is_channels_last(y))
     assert torch.equal(bits, (y > 0).cpu())
+
+
+# Ring shapes whose new rows arrive by asynchronous copies into a staging
+# area (sm_90a, NCHW, _conv.ring_staged): two column tiles; two fresh rows
+# per tile (stride 2) under vertical dilation, padding 4 (a zero column
+# group at the left) and a third column tile of 8; the seed's rows.
+STAGED_CASES = [
+    ((2, 6, 500, 256), (16, 6, 3, 3), 1, 0, 1),
+    ((2, 3, 700, 260), (10, 3, 3, 5), (2, 1), 4, (2, 1)),
+    ((4, 8, 300, 128), (64, 8, 3, 3), 1, 0, 1),
+]
+
+
+def test_staged_cases_stage_and_wide_cases_do_not_all():
+    """STAGED_CASES take the staging area at one and three passes, 32- and
+    16-bit, with runs of several tiles per block; some WIDE_CASES keep the
+    ring without it (rows not lined up with 4-column groups)."""
+    for xs, ws, stride, padding, dilation in STAGED_CASES:
+        g = _conv.geometry("f", xs, ws, stride, padding, dilation)
+        for n_passes, itemsize in ((1, 4), (3, 4), (1, 2)):
+            t = _conv.launch_tiling(g, n_passes, True)
+            assert _conv.ring_staged(g, t, n_passes, itemsize)
+            assert g.n * t.tiles_h * t.tiles_w >= 2 * 4 * 132 // -(-g.cout // _conv.TILE_N)
+    plain = 0
+    for xs, ws, stride, padding, dilation in WIDE_CASES:
+        g = _conv.geometry("f", xs, ws, stride, padding, dilation)
+        t = _conv.launch_tiling(g, 1, True)
+        plain += g.cin <= t.cc and not _conv.ring_staged(g, t, 1, 4)
+    assert plain >= 2
+
+
+@gpu
+@pytest.mark.parametrize("dtype, algorithm", FUSED_KINDS)
+@pytest.mark.parametrize("case", range(len(STAGED_CASES)), ids=[f"staged{i}" for i in range(3)])
+def test_fused_forward_staged_rows_match_plain_loads(case, dtype, algorithm):
+    """Within the float64 bound; and bit for bit the output and mask of the
+    same input one element off 16-byte alignment (no staging: plain loads)."""
+    _check_accuracy(STAGED_CASES[case], 200 + case, dtype, algorithm, False)
+    xs, ws, stride, padding, dilation = STAGED_CASES[case]
+    x, w, b = _xwb(xs, ws, "cuda", dtype, seed=200 + case)
+    shifted = torch.empty(x.numel() + 1, dtype=dtype, device="cuda")[1:].view(xs)
+    shifted.copy_(x)
+    g = _conv.geometry("f", xs, ws, stride, padding, dilation)
+    spd = (g.stride, g.padding, g.dilation)
+    tf32 = algorithm == "fused_tf32"
+    y, mask = conv.fused_forward(x, w, b, DIVISOR, SLOPE, *spd, tf32, True)
+    y2, mask2 = conv.fused_forward(shifted, w, b, DIVISOR, SLOPE, *spd, tf32, True)
+    assert torch.equal(
+        y.view(torch.int16 if y.element_size() == 2 else torch.int32),
+        y2.view(torch.int16 if y.element_size() == 2 else torch.int32),
+    )
+    assert torch.equal(mask, mask2)
 
 
 @gpu
