@@ -29,15 +29,16 @@
 // + 63; the two halves' sums are added in shared memory at the end, in a
 // fixed order. Precision as the forward's: 3xTF32 for float32 ("fp32"), one
 // TF32 pass otherwise (the bias gradient keeps FP32 accuracy either way);
-// float32 accumulation. 145-168 registers and at most 75 KB of shared memory
+// float32 accumulation. 140-168 registers and at most 75 KB of shared memory
 // (67 KB at the seed shape with 3xTF32): three blocks per SM.
 //
 // The bulk-copy path (kStages > 0; sm_90, NCHW, a tile's positions in each
 // channel one run of dy from an even element: _conv.wgrad_bulk): warp 0 has
 // the copy engine bring each line's run (widened to whole 16-byte units)
-// and the mask words that hold its bits into shared memory, completing on an
-// mbarrier, while the block copies the patch; each thread then realigns a
-// few mask words and dz is formed as the A fragments load (DzRaw), so dy
+// into shared memory, completing on an mbarrier, while the block copies the
+// patch; each thread loads a few mask words (plain loads: a bulk copy of a
+// few words per line doubled the copy engine's operations and cost 12-15%)
+// and realigns them, and dz is formed as the A fragments load (DzRaw), so dy
 // never passes through registers on its way in. The register path forms dz
 // while copying it (load_dz4: scalar loads where runs are not 16-byte
 // aligned, as at 126-wide outputs). Both sum the same terms in the same
@@ -289,9 +290,9 @@ __global__ void __launch_bounds__(kConvThreads, 3) conv2d_wgrad_kernel(const Con
   // B column offsets kbt [kWgradDepth] | the patch ([cc + 1] planes of PH
   // rows, the last plane zero; small parts at + kPatchPart), reused at the
   // end for the two halves' sums | dz [kBN][kDS], as floats, or with bulk
-  // copies (kStages > 0) per stage raw dy [kBN][kRawStride bytes], per stage
-  // the mask words that hold each line's bits [kBN][8], the realigned mask
-  // [kBN][4] and per stage an mbarrier | the halves' bias sums [kBN].
+  // copies (kStages > 0) per stage raw dy [kBN][kRawStride bytes], the
+  // realigned mask [kBN][4] and per stage an mbarrier | the halves' bias
+  // sums [kBN].
   constexpr int kParts = kPasses == 3 ? 2 : 1;
   int* koff = reinterpret_cast<int*>(smem);
   int* kbt = koff + kWgradDepth;
@@ -300,13 +301,10 @@ __global__ void __launch_bounds__(kConvThreads, 3) conv2d_wgrad_kernel(const Con
   const int region = patch_words > kBN * kWgradDepth ? patch_words : kBN * kWgradDepth;
   float* dzs = reinterpret_cast<float*>(patch + ((region + 3) & ~3));  // 16-byte aligned
   constexpr int kRawBytes = kBN * kRawStride<T>;
-  constexpr int kDzBytes =
-      kStages == 0 ? kBN * kDS * 4 : kStages * (kRawBytes + kBN * 32 + 8) + kBN * 16;
+  constexpr int kDzBytes = kStages == 0 ? kBN * kDS * 4 : kStages * (kRawBytes + 8) + kBN * 16;
   float* bsum = dzs + kDzBytes / 4;
   const u32 raw0 = (u32)__cvta_generic_to_shared(dzs);
-  u32* mraw = reinterpret_cast<u32*>(reinterpret_cast<char*>(dzs) + kStages * kRawBytes);
-  u32* maligned = mraw + kStages * kBN * 8;
-  const u32 mask0 = (u32)__cvta_generic_to_shared(mraw);
+  u32* maligned = reinterpret_cast<u32*>(reinterpret_cast<char*>(dzs) + kStages * kRawBytes);
   const u32 bar0 = (u32)__cvta_generic_to_shared(maligned + kBN * 4);
   if (kStages > 0 && tid == 0)
     for (int s = 0; s < kStages; ++s) bar_init(bar0 + 8 * s);
@@ -379,19 +377,16 @@ __global__ void __launch_bounds__(kConvThreads, 3) conv2d_wgrad_kernel(const Con
     const int lines = min(kBN, p.cout - tile_n);
     u32 bytes = 0;
     for (int line = lane; line < lines; line += 32) {
-      const long long e = e0 + line * out_plane;
-      const int shift = (int)(e & (kVec - 1)), mb = (int)(e & 127);
-      bytes += ((shift + len + kVec - 1) / kVec) * 16 + ((mb + len + 127) >> 7) * 16;
+      const int shift = (int)((e0 + line * out_plane) & (kVec - 1));
+      bytes += ((shift + len + kVec - 1) / kVec) * 16;
     }
     const u32 bar = bar0 + 8 * stage;
     bar_expect(bar, bytes);
     for (int line = lane; line < lines; line += 32) {
       const long long e = e0 + line * out_plane;
-      const int shift = (int)(e & (kVec - 1)), mb = (int)(e & 127);
+      const int shift = (int)(e & (kVec - 1));
       bulk_copy(raw0 + stage * kRawBytes + line * kRawStride<T>, dy + (e - shift),
                 ((shift + len + kVec - 1) / kVec) * 16, bar);
-      bulk_copy(mask0 + (stage * kBN + line) * 32, p.mask + (e >> 7) * 4,
-                ((mb + len + 127) >> 7) * 16, bar);
     }
   };
   if (kStages > 1 && warp == 0)
@@ -421,6 +416,26 @@ __global__ void __launch_bounds__(kConvThreads, 3) conv2d_wgrad_kernel(const Con
     __syncthreads();  // the previous tile's MMAs are done with the patch, dz and kbt
     if (kStages > 0 && warp == 0 && tile + kStages - 1 < tile_end)
       issue(tile + kStages - 1, (it + kStages - 1) % kStages);
+    // The bulk path's mask words, by plain loads: item k = tid + 128 i of
+    // line k / 4 takes bits 32 (k % 4) on of its run from two words (clamped
+    // to the run's last word; bits past the run are never used), realigned
+    // once the copies have landed.
+    static_assert(kBN * 4 == 2 * kConvThreads, "two mask items per thread");
+    u32 mw[2][2];
+    if (kStages > 0) {
+      long long e0;
+      int len;
+      tile_run(tile, e0, len);
+      const int lines = min(kBN, p.cout - tile_n);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int k = tid + i * kConvThreads, line = k >> 2;
+        const long long e = e0 + line * out_plane, last = (e + len - 1) >> 5;
+        const long long w0 = (e >> 5) + (k & 3);
+        mw[i][0] = line < lines ? __ldg(p.mask + min(w0, last)) : 0u;
+        mw[i][1] = line < lines ? __ldg(p.mask + min(w0 + 1, last)) : 0u;
+      }
+    }
     for (int k = tid; k < kWgradDepth; k += kConvThreads) {  // bytes
       const int e = koff[k];
       kbt[k] = ((e & 0xffff) + ring_slot(base, e >> 16, p.patch_h) * p.patch_w) * 4;
@@ -517,7 +532,7 @@ __global__ void __launch_bounds__(kConvThreads, 3) conv2d_wgrad_kernel(const Con
     }
 
     // The bulk path: wait for this tile's copies, then realign each line's
-    // mask bits (bit p: position p) from the words that hold them.
+    // mask bits (bit p: position p) from the words loaded above.
     const int stage = kStages > 0 ? it % kStages : 0;
     u32 shift_bytes = 0;  // where this thread's lines' runs start in their rows
     if (kStages > 0) {
@@ -527,11 +542,10 @@ __global__ void __launch_bounds__(kConvThreads, 3) conv2d_wgrad_kernel(const Con
       const u32 e_lo = (u32)e0, plane_lo = (u32)out_plane;  // low bits suffice
       shift_bytes = ((e_lo + (u32)(wm * 32 + g) * plane_lo) & (kVec - 1)) * sizeof(T);
       bar_wait(bar0 + 8 * stage, (it / kStages) & 1);
-      for (int k = tid; k < kBN * 4; k += kConvThreads) {
-        const int line = k >> 2;
-        const u32 mb = (e_lo + (u32)line * plane_lo) & 127u;
-        const u32* w = mraw + (stage * kBN + line) * 8 + (mb >> 5) + (k & 3);
-        maligned[k] = __funnelshift_r(w[0], w[1], mb & 31u);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int k = tid + i * kConvThreads;
+        maligned[k] = __funnelshift_r(mw[i][0], mw[i][1], (e_lo + (u32)(k >> 2) * plane_lo) & 31u);
       }
     }
     __syncthreads();

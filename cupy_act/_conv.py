@@ -498,8 +498,8 @@ def _pack(g: Geometry, tl: Tiling, x, w, bias, y, mask, slope, scale, *wgrad) ->
 
 WGRAD_DEPTH = 72  # kWgradDepth: the depth per chunk (cc * kh * kw, padded with zeros)
 DZ_STRIDE = TILE_M + 8  # kDS
-# The bulk-copy path's stages (sets of buffers: raw dy, the mask words, an
-# mbarrier; see wgrad_bulk_smem). Two (copies a whole tile ahead) measured
+# The bulk-copy path's stages (sets of buffers: raw dy and an mbarrier; see
+# wgrad_bulk_smem). Two (copies a whole tile ahead) measured
 # slower: 105 KB of shared memory leaves 2 blocks per SM.
 WGRAD_STAGES = 1
 # Three blocks per SM (the kernel's launch bounds): 228 KiB less 1 KiB each.
@@ -611,9 +611,9 @@ def wgrad_bulk(g: Geometry, tl: Tiling, channels_last: bool, sm: int, itemsize: 
 def wgrad_bulk_smem(dtype: str, tl: Tiling) -> int:
     """The bulk-copy path's shared memory: the register path's less its dz
     tile, plus per stage (WGRAD_STAGES) a buffer of raw dy (TILE_M + 8
-    elements per line), the mask words that hold each line's bits (32 bytes
-    per line) and an mbarrier, and the realigned mask (16 bytes per line)."""
-    stage = TILE_N * (TILE_M + 8) * ITEMSIZE[dtype] + TILE_N * 32 + 8
+    elements per line) and an mbarrier, and the realigned mask (16 bytes per
+    line)."""
+    stage = TILE_N * (TILE_M + 8) * ITEMSIZE[dtype] + 8
     return tl.smem - 4 * TILE_N * DZ_STRIDE + WGRAD_STAGES * stage + TILE_N * 16
 
 
