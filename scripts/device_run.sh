@@ -5,7 +5,7 @@
 # Logs go to $OUT; a summary is last.
 # Usage (GPU machine, repository root):
 #   [PARTS="conformance tests sanitizer bench overhead selfcheck cold cpu models kernelbench convbench
-#           wgradbench wgradprobe"] \
+#           wgradbench wgradprobe kernellimits"] \
 #     [BASE=dir] [OVERHEAD_RUNS=2] [CPU_RUNS=1] \
 #     [TUNE=1] \
 #     bash scripts/device_run.sh
@@ -144,6 +144,9 @@ if has wgradbench; then  # the weight gradient alone: kernel against mask backwa
 fi
 if has wgradprobe; then  # the weight gradient's kernel without its loads (Nsight Compute durations)
   timeout 420 python3 scripts/wgrad_probe.py --layouts nchw nhwc > "$OUT/wgrad_probe.log" 2>&1
+fi
+if has kernellimits; then  # occupancy, issue, DRAM and stall reasons of the fused kernels (Nsight)
+  timeout 420 python3 scripts/kernel_limits.py > "$OUT/kernel_limits.log" 2>&1
 fi
 if has models; then  # training real models: eager, floor, ours, compiled (slow: compiles)
   timeout ${MODELS_TIMEOUT:-540} python3 scripts/models.py --json "$OUT/models.json" ${MODELS_ARGS:-} \

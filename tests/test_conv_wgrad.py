@@ -507,6 +507,36 @@ def test_wgrad_probe_copies_compile_without_their_loads(tmp_path, monkeypatch):
     assert no_x["nchw"] < no_dy["nchw"], loads
 
 
+def test_kernel_limits_reads_ncu_exports(tmp_path, monkeypatch):
+    """scripts/kernel_limits.py: from ncu's details and raw pages (faked here:
+    no ncu without a GPU) it takes the first value of each figure and the
+    largest stall reasons, the issuing cycle ("selected") left out."""
+    path = ROOT / "scripts" / "kernel_limits.py"
+    spec = importlib.util.spec_from_file_location("kernel_limits", path)
+    kl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kl)
+    details = [
+        ["ID", "Section Name", "Metric Name", "Metric Unit", "Metric Value"],
+        ["0", "GPU Speed Of Light Throughput", "Duration", "us", "385.15"],
+        ["0", "GPU Speed Of Light Throughput", "DRAM Throughput", "%", "33.85"],
+        ["0", "Occupancy", "Registers Per Thread", "register/thread", "144"],
+        ["0", "Other", "Duration", "us", "1.0"],  # a later duplicate: ignored
+    ]
+    stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
+    names = ["ID", *(stall.format(r) for r in ("wait", "selected", "barrier", "long_scoreboard"))]
+    raw = [names, ["", "ratio", "ratio", "ratio", "ratio"], ["0", "1.55", "1.00", "0.60", "n/a"]]
+    calls = []
+    monkeypatch.setattr(kl.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
+    monkeypatch.setattr(kl, "ncu_csv", lambda report, page: details if page == "details" else raw)
+    got = kl.profile("float32:fused_tf32:forward", "nchw", 0, tmp_path)
+    assert got["duration"] == "385.15 us" and got["DRAM"] == "33.85 %"
+    assert got["registers"] == "144 register/thread"
+    assert got["stalls"] == "wait 1.55, barrier 0.60"
+    (cmd,) = calls
+    assert cmd[:3] == ["ncu", "-k", "regex:conv2d_kernel"]
+    assert cmd[-5:] == ["float32", "nchw", "fused_tf32", "forward", "0"]
+
+
 @gpu
 def test_wgrad_bench_script(tmp_path):
     """scripts/wgrad_bench.py runs end to end (one small shape, two dtypes, both layouts)."""

@@ -1,0 +1,105 @@
+"""What limits the fused convolution's kernels: Nsight Compute's occupancy,
+issue and memory figures and the top stall reasons, one launch each.
+
+    PYTHONPATH=. python scripts/kernel_limits.py [--configs float32:fused_tf32:forward ...]
+        [--layout nchw] [--padding 0]
+
+Each config is dtype:algorithm:kernel with kernel "forward" (conv2d_kernel)
+or "wgrad" (conv2d_wgrad_kernel), run at the seed shape (conv 8->64 3x3 on
+128x8x128x128) by ``wgrad_probe.py``'s child under ``ncu`` (which must be on
+PATH; it locks the clocks). Per config one row: duration, issue slots busy,
+DRAM throughput, achieved and theoretical occupancy, registers per thread,
+shared memory per block, and the stall reasons with the most cycles per
+issued instruction ("selected", the issuing cycle itself, left out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBE = ROOT / "scripts" / "wgrad_probe.py"
+KERNELS = {"forward": "conv2d_kernel", "wgrad": "conv2d_wgrad_kernel"}
+SECTIONS = ("SpeedOfLight", "Occupancy", "WarpStateStats", "LaunchStats", "SchedulerStats")
+DEFAULT_CONFIGS = (
+    "float32:fused_tf32:forward",
+    "float32:fused:forward",
+    "float16:fused:forward",
+    "float32:fused:wgrad",
+    "float32:fused_tf32:wgrad",
+)
+# details-page metric -> column
+COLUMNS = {
+    "Duration": "duration",
+    "Issue Slots Busy": "issue",
+    "DRAM Throughput": "DRAM",
+    "Achieved Occupancy": "occupancy",
+    "Theoretical Occupancy": "theoretical",
+    "Registers Per Thread": "registers",
+    "Dynamic Shared Memory Per Block": "smem",
+}
+STALL = ("smsp__average_warps_issue_stalled_", "_per_issue_active.ratio")
+
+
+def ncu_csv(report: Path, page: str) -> list[list[str]]:
+    out = subprocess.run(["ncu", "-i", str(report), "--page", page, "--csv"],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return list(csv.reader(io.StringIO(out)))
+
+
+def profile(config: str, layout: str, padding: int, tmp: Path) -> dict[str, str]:
+    """One config's figures (column -> text) from one profiled launch."""
+    dtype, algorithm, what = config.split(":")
+    report = tmp / config.replace(":", "_")
+    cmd = ["ncu", "-k", f"regex:{KERNELS[what]}", "--launch-skip", "1", "--launch-count", "1"]
+    for s in SECTIONS:
+        cmd += ["--section", s]
+    cmd += ["-o", str(report), sys.executable, str(PROBE), "--child", dtype, layout, algorithm,
+            what, str(padding)]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=True)
+    rep = report.with_suffix(".ncu-rep")
+    rows = ncu_csv(rep, "details")
+    head = rows[0]
+    name, unit, value = (head.index(k) for k in ("Metric Name", "Metric Unit", "Metric Value"))
+    got: dict[str, str] = {}
+    for r in rows[1:]:
+        col = COLUMNS.get(r[name])
+        if col and col not in got:
+            got[col] = f"{r[value]} {r[unit]}".strip()
+    raw = ncu_csv(rep, "raw")
+    stalls = []
+    for metric, v in zip(raw[0], raw[2]):
+        reason = metric[len(STALL[0]) : -len(STALL[1])]
+        if metric.startswith(STALL[0]) and metric.endswith(STALL[1]) and reason != "selected":
+            try:
+                stalls.append((float(v.replace(",", "")), reason))
+            except ValueError:
+                continue
+    stalls.sort(reverse=True)
+    got["stalls"] = ", ".join(f"{n} {v:.2f}" for v, n in stalls[:4])
+    return got
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS))
+    ap.add_argument("--layout", default="nchw", choices=["nchw", "nhwc"])
+    ap.add_argument("--padding", type=int, default=0, help="the convolution's (seed: 0)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        for config in args.configs:
+            got = profile(config, args.layout, args.padding, Path(tmp))
+            cells = "; ".join(f"{c} {got[c]}" for c in (*COLUMNS.values(), "stalls") if c in got)
+            print(f"{config} ({args.layout}): {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
