@@ -692,8 +692,9 @@ def launch_wgrad(
     buffer of ``plan.part_floats``. Every element of gw and gb is written."""
     slope, scale = kernel_scalars("div_leaky_relu", negative_slope, divisor, False, fname)
     ks = wgrad_kernels(device, dtype, plan.n_passes, channels_last)
-    # The bulk copies need dy and the mask 16-byte aligned; the register path
-    # runs the same splits in the same order: the same bits either way.
+    # The bulk copies need dy 16-byte aligned (the mask too, as the path has
+    # been tested, though its words now come by plain loads); the register
+    # path runs the same splits in the same order: the same bits either way.
     main, smem = ks.main, plan.tiling.smem
     if plan.bulk_smem and dy % 16 == 0 and mask % 16 == 0 and ks.bulk is not None:
         main, smem = ks.bulk, plan.bulk_smem
