@@ -217,20 +217,25 @@ def _tiling(g: Geometry, c: int, cc: int, kc_pad: int, ph: int, pw: int, smem: i
     return Tiling(c, *tiles, cc, kc_pad, ph, pw, smem)
 
 
+def _forward_words(n_passes: int, cc: int, kc_pad: int, ph: int, pw: int) -> tuple[int, int, int]:
+    """The forward's shared-memory parts, in words after koff: the patch (both
+    parts with three passes), the region (the patch, a tile's mask words and
+    the bias, or the epilogue tile in their place; rounded up so that the
+    weights start 16-byte aligned, as conv2d.cu does) and the weights."""
+    patch = 2 * PATCH_PART if n_passes == 3 else (cc + 1) * ph * pw
+    region = -(-max(patch + AFTER_PATCH_WORDS, EPILOGUE_FLOATS) // 4) * 4
+    return patch, region, 2 * WEIGHT_PART if n_passes == 3 else kc_pad * WEIGHT_STRIDE
+
+
 def _forward_smem(n_passes: int, cc: int, kc_pad: int, ph: int, pw: int) -> int | None:
     """The forward's shared memory (bytes) for a patch of ph rows of pw words
     per channel; None where three passes cannot keep the small parts at their
     fixed distances (conv2d.cu: the patch part within PATCH_PART words, the
     depth per chunk within 72)."""
-    part = (cc + 1) * ph * pw
-    if n_passes == 3:
-        if part > PATCH_PART or kc_pad > 72:
-            return None
-        part = 2 * PATCH_PART
-    # the patch, a tile's mask words and the bias, or the epilogue tile in
-    # their place; the weights start 16-byte aligned (conv2d.cu rounds up)
-    region = -(-max(part + AFTER_PATCH_WORDS, EPILOGUE_FLOATS) // 4) * 4
-    return 4 * (kc_pad + region + (2 * WEIGHT_PART if n_passes == 3 else kc_pad * WEIGHT_STRIDE))
+    if n_passes == 3 and ((cc + 1) * ph * pw > PATCH_PART or kc_pad > 72):
+        return None
+    _, region, weights = _forward_words(n_passes, cc, kc_pad, ph, pw)
+    return 4 * (kc_pad + region + weights)
 
 
 def ring_staged(g: Geometry, tl: Tiling, n_passes: int, itemsize: int) -> bool:
@@ -242,14 +247,11 @@ def ring_staged(g: Geometry, tl: Tiling, n_passes: int, itemsize: int) -> bool:
     The kernel decides for itself; tests use this to cover both ways."""
     if tl.c_log2 != 7 or g.cin > tl.cc or g.w % 4 or g.padding[1] % 4:
         return False
-    part = (tl.cc + 1) * tl.patch_h * tl.patch_w
-    patch = 2 * PATCH_PART if n_passes == 3 else part
-    region = -(-max(patch + AFTER_PATCH_WORDS, EPILOGUE_FLOATS) // 4) * 4
+    patch, region, weights = _forward_words(n_passes, tl.cc, tl.kc_pad, tl.patch_h, tl.patch_w)
     stage = tl.cc * min(g.stride[0], tl.patch_h) * -(-tl.patch_w // 4) * itemsize
     w_used = (TILE_N * 72 if n_passes == 3 else 0) + TILE_N * tl.kc_pad
-    w_alloc = 2 * WEIGHT_PART if n_passes == 3 else tl.kc_pad * WEIGHT_STRIDE
     at = -(-(patch + AFTER_PATCH_WORDS) // 4) * 4
-    return at + stage <= region or w_used + stage <= w_alloc
+    return at + stage <= region or w_used + stage <= weights
 
 
 @functools.lru_cache(maxsize=4096)  # (a Python search: cached per shape)
