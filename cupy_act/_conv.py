@@ -15,13 +15,14 @@ check their arrays, allocate, and call ``launch`` / ``launch_wgrad`` /
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import struct
 import threading
 from typing import NamedTuple
 
-from . import _launch, _loader
+from . import _launch, _loader, _tensormap
 from ._kernels import CTYPES, ITEMSIZE
 from ._scalars import kernel_scalars
 
@@ -61,7 +62,8 @@ def all_kernel_names() -> tuple[str, ...]:
 def wgrad_kernel_names(dtype: str) -> tuple[str, ...]:
     """The weight-gradient module's instantiations for ``dtype``: the main
     kernel per (passes, channels_last) of ``module_keys``, then its bulk-copy
-    version (sm_90, NCHW: ``wgrad_bulk``) per NCHW key, then the finish."""
+    version (sm_90, NCHW: ``wgrad_bulk``) per NCHW key, then the bulk-copy
+    version by tensor copies (``wgrad_tmap``) per NCHW key, then the finish."""
     t = CTYPES[dtype]
     keys = module_keys(dtype)
     main = tuple(
@@ -73,7 +75,12 @@ def wgrad_kernel_names(dtype: str) -> tuple[str, ...]:
         for _, n, cl in keys
         if not cl
     )
-    return (*main, *bulk, f"cupy_act::conv2d_wgrad_finish<{t}>")
+    tmap = tuple(
+        f"cupy_act::conv2d_wgrad_kernel_tmap<{t}, {n}, {WGRAD_STAGES}>"
+        for _, n, cl in keys
+        if not cl
+    )
+    return (*main, *bulk, *tmap, f"cupy_act::conv2d_wgrad_finish<{t}>")
 
 
 def all_wgrad_kernel_names() -> tuple[str, ...]:
@@ -319,6 +326,7 @@ class WgradKernels(NamedTuple):
 
     main: ConvKernel
     bulk: ConvKernel | None  # the bulk-copy version (NCHW only)
+    tmap: ConvKernel | None  # the bulk-copy version by tensor copies (NCHW only)
     finish: ConvKernel
 
 
@@ -380,8 +388,10 @@ def wgrad_kernels(device: int, dtype: str, n_passes: int, channels_last: bool) -
     nchw = [i for i, (_, _, cl) in enumerate(keys) if not cl]
 
     def entry(k, loaded, i):
-        bulk = loaded[len(keys) + nchw.index(i)] if i in nchw else None
-        return WgradKernels(k, bulk, loaded[-1])
+        if i not in nchw:
+            return WgradKernels(k, None, None, loaded[-1])
+        j = len(keys) + nchw.index(i)
+        return WgradKernels(k, loaded[j], loaded[j + len(nchw)], loaded[-1])
 
     return _instantiation(
         _wgrad_kernels, (device, dtype, n_passes, channels_last), (dtype, "wgrad"),
@@ -610,19 +620,44 @@ def wgrad_bulk(g: Geometry, tl: Tiling, channels_last: bool, sm: int, itemsize: 
     )
 
 
-def wgrad_bulk_smem(dtype: str, tl: Tiling) -> int:
+def wgrad_tmap(g: Geometry, tl: Tiling, channels_last: bool, sm: int, itemsize: int) -> bool:
+    """Whether the bulk path may bring dy by tensor copies (one per tile
+    instead of one per line): where the bulk path may run, dy's planes (its
+    channels) lie a whole number of 16-byte units apart, as a tensor map's
+    strides must, and the driver encodes tensor maps (``_tensormap``)."""
+    return (
+        wgrad_bulk(g, tl, channels_last, sm, itemsize)
+        and (g.oh * g.ow * itemsize) % 16 == 0
+        and _tensormap.available()
+    )
+
+
+def wgrad_bulk_smem(dtype: str, tl: Tiling, tmap: bool = False) -> int:
     """The bulk-copy path's shared memory: the register path's less its dz
     tile, plus per stage (WGRAD_STAGES) a buffer of raw dy (TILE_M + 8
     elements per line) and an mbarrier, and the realigned mask (16 bytes per
-    line)."""
+    line); by tensor copies (``tmap``) 128 bytes more, for the stages to
+    start on a 128-byte boundary."""
     stage = TILE_N * (TILE_M + 8) * ITEMSIZE[dtype] + 8
-    return tl.smem - 4 * TILE_N * DZ_STRIDE + WGRAD_STAGES * stage + TILE_N * 16
+    slack = 128 if tmap else 0
+    return tl.smem - 4 * TILE_N * DZ_STRIDE + WGRAD_STAGES * stage + TILE_N * 16 + slack
+
+
+def _dy_map(g: Geometry, itemsize: int) -> _tensormap.TiledMap:
+    """dy (NCHW) as tensor_copy_3d's map: positions of a plane (innermost),
+    channels, images; a box is TILE_M + 8 positions (a tile's run from the
+    16-byte unit it starts in) of TILE_N channels, unswizzled: the rows of
+    the bulk path's raw dy."""
+    plane = g.oh * g.ow * itemsize
+    dims, box = (g.oh * g.ow, g.cout, g.n), (TILE_M + 8, TILE_N, 1)
+    return _tensormap.TiledMap(itemsize, dims, (plane, plane * g.cout), box)
 
 
 class WgradPlan(NamedTuple):
     """One weight-gradient launch: tiling, the split of the tiles, the grid and
     the float32 scratch it needs (partial sums per split); bulk_smem the
-    bulk-copy kernel's shared memory where that path may run, else 0."""
+    bulk-copy kernel's shared memory where that path may run, else 0;
+    tmap_smem likewise for tensor copies, and dy_map their tensor map."""
 
     tiling: Tiling
     n_passes: int
@@ -631,6 +666,8 @@ class WgradPlan(NamedTuple):
     grid: tuple[int, int]
     part_floats: int
     bulk_smem: int
+    tmap_smem: int = 0
+    dy_map: _tensormap.TiledMap | None = None
 
 
 _wgrad_plans: dict[tuple, WgradPlan] = {}
@@ -651,11 +688,18 @@ def wgrad_plan(device: int, dtype: str, precision: str, channels_last: bool, g: 
     ks = wgrad_kernels(device, dtype, n_passes, channels_last)
     _allow_smem(ks.main, tl.smem)
     resident = _blocks(device, ks.main, tl.smem)
-    bulk_smem = 0
-    if ks.bulk is not None and wgrad_bulk(g, tl, channels_last, _sm(device), ITEMSIZE[dtype]):
+    bulk_smem = tmap_smem = 0
+    dy_map = None
+    sm, itemsize = _sm(device), ITEMSIZE[dtype]
+    if ks.bulk is not None and wgrad_bulk(g, tl, channels_last, sm, itemsize):
         bulk_smem = wgrad_bulk_smem(dtype, tl)
         _allow_smem(ks.bulk, bulk_smem)
         resident = _blocks(device, ks.bulk, bulk_smem)
+    if ks.tmap is not None and wgrad_tmap(g, tl, channels_last, sm, itemsize):
+        tmap_smem = wgrad_bulk_smem(dtype, tl, tmap=True)
+        dy_map = _dy_map(g, itemsize)
+        _allow_smem(ks.tmap, tmap_smem)
+        resident = _blocks(device, ks.tmap, tmap_smem)
     tiles = g.n * tl.tiles_h * tl.tiles_w
     columns = math.ceil(g.cout / TILE_N) * math.ceil(g.cin / tl.cc)
     splits = max(1, min(tiles, resident // columns))
@@ -663,7 +707,9 @@ def wgrad_plan(device: int, dtype: str, precision: str, channels_last: bool, g: 
     splits = max(1, -(-tiles // per))  # no empty split
     k_total = g.cin * g.kh * g.kw
     floats = splits * g.cout * (k_total + 1)
-    plan = WgradPlan(tl, n_passes, per, splits, (splits, columns), floats, bulk_smem)
+    plan = WgradPlan(
+        tl, n_passes, per, splits, (splits, columns), floats, bulk_smem, tmap_smem, dy_map
+    )
     _wgrad_plans[key] = plan
     return plan
 
@@ -698,8 +744,11 @@ def launch_wgrad(
     # been tested, though its words now come by plain loads); the register
     # path runs the same splits in the same order: the same bits either way.
     main, smem = ks.main, plan.tiling.smem
+    dy_map: tuple | None = None
     if plan.bulk_smem and dy % 16 == 0 and mask % 16 == 0 and ks.bulk is not None:
         main, smem = ks.bulk, plan.bulk_smem
+        if plan.dy_map is not None and ks.tmap is not None:
+            main, smem, dy_map = ks.tmap, plan.tmap_smem, plan.dy_map.at(dy)
     positions = g.n * g.oh * g.ow
     splits = plan.splits if positions else 0  # no positions: the finish writes zeros
     s = _pack(
@@ -707,7 +756,11 @@ def launch_wgrad(
         plan.tiles_per_split, splits,
     )  # fmt: skip
     if positions:
-        _launch.run(main.ptr, main.ctx, plan.grid, THREADS, stream, s.argv_ptr, smem)
+        argv = s.argv_ptr
+        if dy_map is not None:  # the kernel's second parameter (the map's buffer kept till here)
+            both = (ctypes.c_void_p * 2)(ctypes.addressof(s.buf), dy_map[1])
+            argv = ctypes.addressof(both)
+        _launch.run(main.ptr, main.ctx, plan.grid, THREADS, stream, argv, smem)
     outputs = g.cout * (g.cin * g.kh * g.kw + (1 if gb else 0))
     grid = (math.ceil(outputs / FINISH_THREADS), 1)
     _launch.run(ks.finish.ptr, ks.finish.ctx, grid, FINISH_THREADS, stream, s.argv_ptr)

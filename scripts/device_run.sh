@@ -68,6 +68,7 @@ if has sanitizer; then
   # splits, row rings over strides, dilations and image boundaries
   WG="(accuracy and (case3- or case17-)) or non_finite or empty or repeats or unaligned"
   WG="$WG or ((wide1 or wide3 or wide4) and dtype0-fused-) or ((bulk0 or bulk1 or bulk2) and dtype0-fused)"
+  WG="$WG or ((bulk3 or bulk4) and dtype2)"  # 16-bit tensor copies: two column tiles, two rows per tile
   timeout 300 compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
     tests/test_conv_wgrad.py -k "$WG" >> "$OUT/sanitizer_conv.log" 2>&1
   echo "sanitizer rc=$?" >> "$OUT/sanitizer_conv.log"

@@ -9,6 +9,7 @@ against float64 (see ``wgrad_bound``) over the forward's 40 random shapes,
 both layouts and three dtypes; the same inputs give the same bits.
 """
 
+import ctypes
 import importlib.util
 from pathlib import Path
 
@@ -230,6 +231,104 @@ def test_bulk_cases_take_the_bulk_path_and_others_do_not():
     assert not _conv.wgrad_bulk(g, half, False, 90, 4)
 
 
+# BULK_CASES whose dy planes are not a whole number of 16-byte units apart
+# (no tensor map: the per-line bulk copies): the seed's 14 x 126 in 16-bit,
+# 7 x 98 in every dtype.
+NO_TMAP = {(0, 2), (1, 2), (1, 4)}
+
+
+def test_tensor_copies_take_planes_16_bytes_apart(monkeypatch):
+    """wgrad_tmap: the bulk path's shapes whose dy planes are 16-byte units
+    apart, only where the driver encodes tensor maps; their shared memory
+    fits three blocks per SM."""
+    monkeypatch.setattr(_conv._tensormap, "available", lambda: True)
+    for case, (xs, ws, stride, padding, dilation) in enumerate(BULK_CASES):
+        g = _conv.geometry("f", xs, ws, stride, padding, dilation)
+        for itemsize, dtype in ((4, "float32"), (2, "float16")):
+            t = _conv.wgrad_tiling(g, 3 if itemsize == 4 else 1)
+            want = (case, itemsize) not in NO_TMAP
+            assert _conv.wgrad_tmap(g, t, False, 90, itemsize) == want, (case, itemsize)
+            assert not _conv.wgrad_tmap(g, t, False, 80, itemsize)
+            assert not _conv.wgrad_tmap(g, t, True, 90, itemsize)
+            smem = _conv.wgrad_bulk_smem(dtype, t, tmap=True)
+            assert smem <= _conv.WGRAD_SMEM
+            # the per-line copies' rows, from a 128-byte boundary on
+            assert smem == _conv.wgrad_bulk_smem(dtype, t) + 128
+    monkeypatch.setattr(_conv._tensormap, "available", lambda: False)
+    g = _conv.geometry("f", *BULK_CASES[0][:2])
+    assert not _conv.wgrad_tmap(g, _conv.wgrad_tiling(g, 3), False, 90, 4)
+
+
+def test_tiled_map_encodes_what_the_kernel_copies(monkeypatch):
+    """_dy_map's descriptor: dy as (plane, channels, images) with byte strides,
+    boxes of TILE_M + 8 positions (the per-line copies' rows) in TILE_N
+    channels, unswizzled, bits as unsigned integers; encoded into a 64-byte
+    aligned buffer, once per address; a driver error and a missing driver
+    raise with the address."""
+    from cupy_act import _tensormap
+
+    calls = []
+
+    def fake(at, dtype, rank, address, dims, strides, box, steps, inter, swizzle, l2, fill):
+        calls.append((at, dtype, rank, address, list(dims)[:rank], list(strides)[: rank - 1],
+                      list(box)[:rank], list(steps)[:rank], inter, swizzle, fill))  # fmt: skip
+        return 0 if address != 0xBAD0 else 1
+
+    monkeypatch.setattr(_tensormap, "_function", lambda: fake)
+    g = _conv.geometry("f", (128, 8, 130, 130), (64, 8, 3, 3))
+    for itemsize, code in ((4, 2), (2, 1)):
+        calls.clear()
+        m = _conv._dy_map(g, itemsize)
+        buf, at = m.at(0x7F0000001000)
+        assert at % 64 == 0 and ctypes.addressof(buf) <= at <= ctypes.addressof(buf) + 64
+        assert m.at(0x7F0000001000)[1] == at and len(calls) == 1  # the same address: reused
+        plane = 128 * 128
+        assert calls[0][1:] == (
+            code, 3, 0x7F0000001000, [plane, 64, 128], [plane * itemsize, plane * itemsize * 64],
+            [136, 64, 1], [1, 1, 1], 0, _tensormap.SWIZZLE_NONE, 0,
+        )  # fmt: skip
+        assert m.at(0x7F0000002000)[1] != at and len(calls) == 2
+    with pytest.raises(RuntimeError, match="CUresult 1.*0xbad0"):
+        m.at(0xBAD0)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        _tensormap.TiledMap(2, (15876, 64, 128), (31752, 31752 * 64), (64, 64, 1))
+    with pytest.raises(ValueError, match="3 dims need 2 strides"):
+        _tensormap.TiledMap(4, (16, 64, 128), (64,), (32, 64, 1))
+    monkeypatch.setattr(_tensormap, "_function", lambda: None)
+    with pytest.raises(RuntimeError, match="no cuTensorMapEncodeTiled"):
+        _conv._dy_map(g, 4).at(0x7F0000001000)
+
+
+@gpu
+@pytest.mark.parametrize("dtype, algorithm", FUSED_KINDS)
+@pytest.mark.parametrize("case", range(len(BULK_CASES)), ids=[f"bulk{i}" for i in range(8)])
+def test_tensor_copies_match_the_bulk_copies_bit_for_bit(case, dtype, algorithm, monkeypatch):
+    """Where dy comes by tensor copies (on sm_90 with a driver that encodes
+    tensor maps), the same splits as the per-line bulk copies and the same
+    bits."""
+    xs, ws, stride, padding, dilation = BULK_CASES[case]
+    tf32 = algorithm == "fused_tf32"
+    x, w, b, mask, spd, gy, dz = block_inputs(
+        xs, ws, stride, padding, dilation, dtype, algorithm, False, 500 + case, 600 + case
+    )
+    g = _conv.geometry("f", xs, ws, *spd)
+    name, precision = _impl.DTYPE_NAMES[dtype], "tf32" if tf32 else "fp32"
+    plan = _conv.wgrad_plan(x.get_device(), name, precision, False, g)
+    major, _ = torch.cuda.get_device_capability()
+    if major < 9:
+        pytest.skip("no bulk copies before compute capability 9.0")
+    assert (plan.tmap_smem > 0) == ((case, x.element_size()) not in NO_TMAP)
+    assert (plan.dy_map is not None) == (plan.tmap_smem > 0)
+    args = (list(w.shape), True, DIVISOR, SLOPE, *spd, tf32)
+    tensor = conv.fused_wgrad(x, gy, mask, *args)
+    monkeypatch.setattr(_conv, "_wgrad_plans", {})
+    monkeypatch.setattr(_conv._tensormap, "available", lambda: False)
+    bulk = _conv.wgrad_plan(x.get_device(), name, precision, False, g)
+    assert bulk.tmap_smem == 0 and bulk.bulk_smem == plan.bulk_smem and bulk.splits == plan.splits
+    for a, e in zip(conv.fused_wgrad(x, gy, mask, *args), tensor):
+        testing.assert_bits_equal(a, e)
+
+
 @gpu
 @pytest.mark.parametrize("dtype, algorithm", FUSED_KINDS)
 @pytest.mark.parametrize("case", range(len(BULK_CASES)), ids=[f"bulk{i}" for i in range(8)])
@@ -356,7 +455,7 @@ def test_autograd_without_an_input_gradient_takes_the_fused_pass(dtype, cl, need
     <= 72; not 16-bit channels-last), within FP32 (bfloat16) accuracy of the
     previous path (mask backward + PyTorch's convolution backward, switched off)."""
     x0, w0, b0, gy = _block_inputs(dtype, cl)
-    calls = _count_calls(monkeypatch, _library, "backward_op")
+    calls = _count_calls(monkeypatch, _impl, "backward")
     grads = {}
     torch.backends.cudnn.allow_tf32 = False
     try:
@@ -387,7 +486,7 @@ def test_autograd_with_an_input_gradient_takes_the_kernel_for_the_weight(dtype, 
     (counted), the input gradient from dz and cuDNN as before (the same
     values); switched off, the previous path."""
     x0, w0, b0, gy = _block_inputs(dtype, cl)
-    calls = _count_calls(monkeypatch, conv, "wgrad_op")
+    calls = _count_calls(monkeypatch, conv, "fused_wgrad")
     grads = {}
     torch.backends.cudnn.allow_tf32 = False
     try:
