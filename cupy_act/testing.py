@@ -200,18 +200,40 @@ def make_inputs(device, dtype=torch.float32, shape=(2, 3, 4, 5), seed: int = 0):
     return x, b, dy, t
 
 
-def median_ms(fn, iters: int = 20, warmup: int = 3, reps: int = 1) -> float:
+_cycles_per_ms: list[float] = []
+
+
+def _queue_gpu(ms: float) -> None:
+    """Keep the current stream busy for about ``ms`` (a spinning kernel,
+    torch.cuda._sleep, calibrated once against CUDA events)."""
+    if not _cycles_per_ms:
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(1_000_000)
+        stop.record()
+        stop.synchronize()
+        _cycles_per_ms.append(1_000_000 / start.elapsed_time(stop))
+    torch.cuda._sleep(int(ms * _cycles_per_ms[0]))
+
+
+def median_ms(fn, iters: int = 20, warmup: int = 3, reps: int = 1, queued_ms: float = 0.0) -> float:
     """Median CUDA-event time of ``fn()`` in ms, after ``warmup`` untimed calls.
 
-    With ``reps`` > 1 each timing covers that many back-to-back calls and is
-    divided by it: the time per call of a launch-bound (small) op, host cost
-    included, rather than the kernel alone.
+    The time runs from the host's call to the GPU's end of the work, so a
+    call's host cost counts where the GPU would wait for it. With ``reps`` >
+    1 each timing covers that many back-to-back calls and is divided by it:
+    the time per call of a launch-bound (small) op, host cost included,
+    rather than the kernel alone. With ``queued_ms`` the GPU is kept busy
+    that long before each timing starts, so the host's work is done while it
+    waits (``queued_ms`` must exceed it): the GPU's time alone.
     """
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if queued_ms:
+            _queue_gpu(queued_ms)
         start.record()
         for _ in range(reps):
             fn()

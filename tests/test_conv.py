@@ -812,4 +812,5 @@ def test_conv_bench_script(tmp_path):
     assert impls == ["eager", "exact", "channels_last", "fused", "fused_tf32", "auto", *forced]
     assert all(r["forward_ms"] > 0 and r["max_err"] < 1e-2 for r in out["rows"])
     assert all(r["w_bwd_ms"] > 0 and r["w_fwd_bwd_ms"] > 0 for r in out["rows"])
+    assert all(0 < r["w_bwd_gpu_ms"] < 4.0 for r in out["rows"])  # the queued sleep not timed
     assert "| 16to32 | fused |" in (tmp_path / "c.md").read_text()
