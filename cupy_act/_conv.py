@@ -339,6 +339,24 @@ _smem_set: dict[int, int] = {}  # CUfunction -> dynamic shared memory allowed so
 _resident: dict[tuple, int] = {}  # (device, CUfunction, smem) -> blocks the device holds at once
 
 
+_scalar_cache: dict[tuple, tuple[float, float]] = {}
+
+
+def _scalars(negative_slope, divisor, fname: str) -> tuple[float, float]:
+    """kernel_scalars of div_leaky_relu (float op type), kept for the values
+    seen last (rounding them through NumPy costs a few microseconds per
+    call); the types are part of the key (an int rounds as int64), and
+    values that raise are never kept."""
+    key = (negative_slope, divisor, type(negative_slope), type(divisor))
+    r = _scalar_cache.get(key)
+    if r is None:
+        r = kernel_scalars("div_leaky_relu", negative_slope, divisor, False, fname)
+        if len(_scalar_cache) >= 64:
+            _scalar_cache.clear()
+        _scalar_cache[key] = r
+    return r
+
+
 def arch_options(sm: int) -> tuple[str, ...]:
     """NVRTC options for a device of compute capability ``sm`` (9.0: 90): the
     arch-specific sm_90a target on 9.0 devices, where the forward runs on
@@ -475,7 +493,7 @@ def launch(
     Pointers are raw device addresses of dense arrays: x and y NCHW or NHWC
     (``channels_last``), w always OIHW; the mask buffer must be zeroed.
     """
-    slope, scale = kernel_scalars("div_leaky_relu", negative_slope, divisor, False, fname)
+    slope, scale = _scalars(negative_slope, divisor, fname)
     if g.n * g.oh * g.ow == 0:
         return
     n_passes = passes(dtype, precision)
@@ -738,7 +756,7 @@ def launch_wgrad(
     from dy and the forward's mask: x, dy and the mask dense in one layout
     (NCHW or NHWC, the mask in dy's memory order), gw OIHW, ``part`` a float32
     buffer of ``plan.part_floats``. Every element of gw and gb is written."""
-    slope, scale = kernel_scalars("div_leaky_relu", negative_slope, divisor, False, fname)
+    slope, scale = _scalars(negative_slope, divisor, fname)
     ks = wgrad_kernels(device, dtype, plan.n_passes, channels_last)
     # The bulk copies need dy 16-byte aligned (the mask too, as the path has
     # been tested, though its words now come by plain loads); the register
@@ -830,7 +848,7 @@ def launch_dgrad(
     forward's mask (dy and dx dense in one layout, NCHW or NHWC, the mask in
     dy's memory order; w OIHW). Every element of dx is written. The caller
     checked ``dgrad_fits``."""
-    slope, scale = kernel_scalars("div_leaky_relu", negative_slope, divisor, False, fname)
+    slope, scale = _scalars(negative_slope, divisor, fname)
     units = g.n * dgrad_column_tiles(g) * g.h  # input rows of every column tile
     if units == 0:
         return

@@ -20,6 +20,10 @@ design floor (``bare_relu``: relu with nothing but the necessary work), also
 as a Function of our signature (5 inputs, ctx.args, no materialized grads),
 and a Python autograd.Function around torch's own relu.
 
+``--conv``: instead, the fused convolution block on a tiny input: PyTorch's
+eager block, ours as it trains in eager mode, and ours through the custom op
+that torch.compile and torch.func take.
+
 ``--bn``: instead, BatchNorm + LeakyReLU on a small N x C x H x W tensor
 (``--shape``), training, the input a non-leaf and the parameters trained:
 PyTorch's pair (``nn.BatchNorm2d``, ``nn.LeakyReLU(inplace=True)``),
@@ -67,9 +71,13 @@ def main() -> None:
     ap.add_argument("--no-cupy", action="store_true", help="skip the CuPy API rows")
     ap.add_argument("--bn", action="store_true", help="the BatchNorm + LeakyReLU rows only")
     ap.add_argument("--shape", nargs=4, type=int, default=[8, 64, 16, 16], help="for --bn")
+    ap.add_argument("--conv", action="store_true", help="the fused convolution block's rows only")
     args = ap.parse_args()
     if args.bn:
         bn_rows(args.shape, args.calls, args.repeats)
+        return
+    if args.conv:
+        conv_rows(args.calls, args.repeats)
         return
     x = torch.randn(args.n, device="cuda")
     xg = x.clone().requires_grad_(True)
@@ -421,6 +429,45 @@ def bn_rows(shape, calls: int, repeats: int) -> None:
     print(f"{'':22s}" + "".join(f"{k:>20s}" for k in mods))
     for what, make in (("fwd (grad)", forward), ("fwd+bwd", fwd_bwd)):
         us = per_call_us([make(m) for m in mods.values()], calls, repeats)
+        cells = "".join(f"{t:12.2f} us {t / us[0]:4.2f}x" for t in us)
+        print(f"{what:22s}{cells}", flush=True)
+
+
+def conv_rows(calls: int, repeats: int) -> None:
+    """Host time per call of the convolution block on a tiny input (the GPU's
+    work negligible): PyTorch's eager block, ours ("fused") as it trains in
+    eager mode, and ours through the custom op that torch.compile and
+    torch.func take (conv.fused_op, its autograd registered on the op)."""
+    import torch.nn.functional as F
+
+    from cupy_act.torch import conv
+
+    x = torch.randn(2, 8, 18, 18, device="cuda")
+    w = (torch.randn(64, 8, 3, 3, device="cuda") * 0.1).requires_grad_()
+    b = torch.randn(64, device="cuda").requires_grad_()
+    g = torch.randn(2, 64, 16, 16, device="cuda")
+    impls = {
+        "pytorch": lambda: F.leaky_relu(F.conv2d(x, w, b) / 2.0, 0.01),
+        "ours": lambda: ct.conv2d_div_leaky_relu(x, w, b, 2.0, 0.01, algorithm="fused"),
+        "ours, custom op": lambda: conv.fused_op(
+            x, w, b, 2.0, 0.01, [1, 1], [0, 0], [1, 1], False, True
+        )[0],
+    }
+    kept = {k: f() for k, f in impls.items()}
+
+    def fwd_bwd(k):
+        return lambda: torch.autograd.grad(impls[k](), (w, b), g)
+
+    def bwd(k):
+        return lambda: torch.autograd.grad(kept[k], (w, b), g, retain_graph=True)
+
+    print(
+        f"\nconv -> divide -> LeakyReLU host time per call, x {tuple(x.shape)}, w "
+        f"{tuple(w.shape)}, float32, {torch.cuda.get_device_name()}, torch {torch.__version__}"
+    )
+    print(f"{'':22s}" + "".join(f"{k:>20s}" for k in impls))
+    for what, make in (("fwd (grad)", impls.get), ("fwd+bwd", fwd_bwd), ("bwd", bwd)):
+        us = per_call_us([make(k) for k in impls], calls, repeats)
         cells = "".join(f"{t:12.2f} us {t / us[0]:4.2f}x" for t in us)
         print(f"{what:22s}{cells}", flush=True)
 

@@ -246,6 +246,27 @@ def conv_models(device):
 # ---- first use: process, thread, device, cache ----
 
 
+@row("cuda")
+def first_backward_fused_conv(device):
+    """The process's first backward is the fused convolution block's, as eager
+    training runs it (a plain autograd.Function): its weight- and
+    input-gradient kernels launch from the autograd engine's device thread,
+    which has no CUDA context of its own yet. The gradients bit for bit those
+    of the same block through its custom op (conv.fused_op) afterwards."""
+    from cupy_act.torch import conv
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 8, 20, 130, generator=g).to(device).requires_grad_()
+    w = (torch.randn(16, 8, 3, 3, generator=g) * 0.1).to(device).requires_grad_()
+    b = torch.randn(16, generator=g).to(device).requires_grad_()
+    gy = torch.randn(2, 16, 18, 128, generator=g).to(device)
+    y = ct.conv2d_div_leaky_relu(x, w, b, 2.0, 0.01, algorithm="fused")
+    assert type(y.grad_fn).__name__ == "_FusedEagerBackward", type(y.grad_fn)
+    got = torch.autograd.grad(y, (x, w, b), gy)
+    y_op = conv.fused_op(x, w, b, 2.0, 0.01, [1, 1], [0, 0], [1, 1], False, True)[0]
+    same((y, got), (y_op, torch.autograd.grad(y_op, (x, w, b), gy)), "fused conv first backward")
+
+
 @row("cpu", "cuda", "cuda:1")
 def first_backward(device):
     """The process's first backward is ours (on CUDA: the autograd engine's device

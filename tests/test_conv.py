@@ -632,6 +632,52 @@ def test_fused_input_without_grad_skips_the_input_gradient():
 
 
 @gpu
+@pytest.mark.parametrize("tf32", [False, True], ids=["fused", "fused_tf32"])
+@pytest.mark.parametrize("cl", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("need", ["xwb", "wb", "x", "xw"])
+def test_eager_training_is_the_custom_ops_bit_for_bit(need, cl, tf32):
+    """Eager training runs the fused block as a plain autograd.Function (no
+    custom-op dispatch): the same saved tensors and the same gradients, bit
+    for bit, as through conv.fused_op (what torch.compile and torch.func
+    take), whichever of x, the weight and the bias need one."""
+    x0, w0, b0 = _xwb((2, 8, 20, 130), (16, 8, 3, 3), "cuda")
+    x0, w0 = _layout(x0, cl), _layout(w0, cl)
+    gy = _layout(torch.randn(2, 16, 18, 128, device="cuda"), cl)
+    algorithm = "fused_tf32" if tf32 else "fused"
+    results = []
+    for route in ("eager", "op"):
+        x, w, b = (t.clone().requires_grad_(k in need) for t, k in zip((x0, w0, b0), "xwb"))
+        if route == "eager":
+            y, sizes = testing.saved_sizes(
+                lambda: ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, SLOPE, algorithm=algorithm)
+            )
+            assert type(y.grad_fn).__name__ == "_FusedEagerBackward"
+        else:
+            args = (x, w, b, DIVISOR, SLOPE, [1, 1], [0, 0], [1, 1], tf32, True)
+            y, sizes = testing.saved_sizes(lambda: conv.fused_op(*args)[0])
+        wrt = [t for t in (x, w, b) if t.requires_grad]
+        saved = sorted(n * t.itemsize for t, n in sizes)
+        results.append((y, saved, torch.autograd.grad(y, wrt, gy)))
+    (ye, saved_e, grads_e), (yo, saved_o, grads_o) = results
+    testing.assert_bits_equal(ye, yo)
+    assert saved_e == saved_o
+    for a, e in zip(grads_e, grads_o):
+        testing.assert_bits_equal(a, e)
+
+
+@gpu
+def test_eager_training_refuses_a_second_derivative():
+    """A second derivative through the fused block raises (its backward is
+    once differentiable: the kernels have no derivative), not a silent zero."""
+    x, w, b = _xwb((2, 3, 9, 11), (5, 3, 3, 3), "cuda")
+    w.requires_grad_()
+    y = ct.conv2d_div_leaky_relu(x, w, b, algorithm="fused")
+    (gw,) = torch.autograd.grad((y * y).sum(), w, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gw.sum().backward()
+
+
+@gpu
 def test_fused_under_torch_compile_and_opcheck():
     x, w, b = _xwb((2, 3, 16, 16), (8, 3, 3, 3), "cuda")
 

@@ -261,8 +261,8 @@ def test_autograd_takes_the_fused_input_gradient(dtype, cl, needs, monkeypatch):
     x0, w0, b0 = _xwb((3, 6, 23, 37), (10, 6, 3, 3), "cuda", dtype)
     x0, w0 = _layout(x0, cl), _layout(w0, cl)
     gy = _layout(torch.randn(3, 10, 23, 37, device="cuda", dtype=dtype), cl)
-    dgrads = _count_calls(monkeypatch, conv, "dgrad_op")
-    masks = _count_calls(monkeypatch, _library, "backward_op")
+    dgrads = _count_calls(monkeypatch, conv, "fused_dgrad")
+    masks = _count_calls(monkeypatch, _impl, "backward")
     monkeypatch.setattr(conv, "FUSED_WGRAD", True)
     grads = {}
     torch.backends.cudnn.allow_tf32 = False

@@ -36,6 +36,7 @@ import functools
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .. import _conv, testing
 from .._arrays import mask_nbytes
@@ -213,57 +214,89 @@ def _(gy, mask, weight, x_shape, channels_last, *args):
     return torch.empty(tuple(x_shape), dtype=gy.dtype, device=gy.device, memory_format=fmt)
 
 
+def _save(ctx, x, weight, bias, mask, slope, divisor, stride, padding, dilation, tf32) -> None:
+    """What the backward reads: x, the weight and the mask, and the scalars."""
+    ctx.no_mask = False
+    ctx.save_for_backward(x, weight, mask)
+    ctx.args = (slope, divisor, stride, padding, dilation, _impl.is_channels_last(x), tf32)
+    ctx.bias = None if bias is None else [bias.shape[0]]
+
+
 def _setup(ctx, inputs, output):
     x, weight, bias, divisor, slope, stride, padding, dilation, tf32, with_mask = inputs
     if not with_mask:
         ctx.no_mask = True
         return
-    ctx.no_mask = False
-    ctx.save_for_backward(x, weight, output[1])
+    _save(ctx, x, weight, bias, output[1], slope, divisor, stride, padding, dilation, tf32)
     ctx.mark_non_differentiable(output[1])
-    ctx.args = (slope, divisor, stride, padding, dilation, _impl.is_channels_last(x), tf32)
-    ctx.bias = None if bias is None else [bias.shape[0]]
 
 
-def _backward(ctx, gy, gmask):
-    """The weight and bias gradients from the fused weight-gradient kernel
-    (dy, the mask and x) and the input gradient from the fused input-gradient
-    kernel (dy, the mask and the weight) where they apply (``_wgrad_fits``,
-    ``_dgrad_fits``); the rest from the mask backward of the elementwise op
-    (dz) and PyTorch's convolution backward. Where both kernels apply, dz is
-    never in memory."""
+def _grads(ctx, gy, wgrad, dgrad, mask_backward) -> tuple:
+    """(gx, gw, gb): the weight and bias gradients from the fused
+    weight-gradient kernel (dy, the mask and x) and the input gradient from
+    the fused input-gradient kernel (dy, the mask and the weight) where they
+    apply (``_wgrad_fits``, ``_dgrad_fits``); the rest from the mask backward
+    of the elementwise op (dz) and PyTorch's convolution backward. Where both
+    kernels apply, dz is never in memory. ``wgrad``, ``dgrad`` and
+    ``mask_backward`` run the kernels: the custom ops, or (eager) the
+    functions behind them."""
     if ctx.no_mask:
         raise RuntimeError(f"{FNAME}: this fused call ran without a mask; it has no backward")
     x, w, mask = ctx.saved_tensors
     slope, divisor, stride, padding, dilation, cl, tf32 = ctx.args
     need = ctx.needs_input_grad
     with_bias = ctx.bias is not None and need[2]
-    rest = (None,) * 7
     gx = gw = gb = None
     fused_w = (need[1] or with_bias) and _wgrad_fits(x, w, stride, padding, dilation, tf32)
     if fused_w:
-        gw, gb = wgrad_op(
+        gw, gb = wgrad(
             x, gy, mask, list(w.shape), with_bias, divisor, slope, stride, padding, dilation, tf32
         )
         gw, gb = gw if need[1] else None, gb if with_bias else None
     if fused_w or not (need[1] or with_bias):  # only the input gradient left, if any
         if need[0] and _dgrad_fits(x, w, stride, padding, dilation, tf32):
-            gx = dgrad_op(
+            gx = dgrad(
                 gy, mask, w, list(x.shape), cl, divisor, slope, stride, padding, dilation, tf32
             )
         elif need[0]:
-            d = _library.backward_op(gy, mask, "div_leaky_relu", slope, divisor, cl)
+            d = mask_backward(gy, mask, "div_leaky_relu", slope, divisor, cl)
             gx = torch.ops.aten.convolution_backward(
                 d, x, w, None, stride, padding, dilation, False, [0, 0], 1, [True, False, False]
             )[0]
-        return gx, gw, gb, *rest
+        return gx, gw, gb
     # d loss / d (conv + bias): the mask backward of the elementwise op.
-    d = _library.backward_op(gy, mask, "div_leaky_relu", slope, divisor, cl)
+    d = mask_backward(gy, mask, "div_leaky_relu", slope, divisor, cl)
     out_mask = [need[0], need[1], with_bias]
-    gx, gw, gb = torch.ops.aten.convolution_backward(
+    return torch.ops.aten.convolution_backward(
         d, x, w, ctx.bias, stride, padding, dilation, False, [0, 0], 1, out_mask
     )
-    return gx, gw, gb, *rest
+
+
+def _backward(ctx, gy, gmask):
+    """fused_op's backward (``_grads`` through the custom ops)."""
+    return *_grads(ctx, gy, wgrad_op, dgrad_op, _library.backward_op), *(None,) * 7
+
+
+class _FusedEager(torch.autograd.Function):
+    """fused_op where it trains in eager mode: the same forward, saved tensors
+    and backward, calling the kernels' functions instead of the custom ops,
+    whose dispatch and autograd wrapping cost about 55 us of host time per
+    forward and 50 per backward (H200 host, ``scripts/overhead.py --conv``).
+    torch.compile, torch.func transforms and forward-mode AD take fused_op.
+    The backward is not differentiable again (fused_op's is not either)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, divisor, slope, stride, padding, dilation, tf32):
+        y, mask = fused_forward(
+            x, weight, bias, divisor, slope, stride, padding, dilation, tf32, True
+        )
+        _save(ctx, x, weight, bias, mask, slope, divisor, stride, padding, dilation, tf32)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gy):
+        return *_grads(ctx, gy, fused_wgrad, fused_dgrad, _impl.backward), *(None,) * 6
 
 
 def _wgrad_fits(x: Tensor, w: Tensor, stride, padding, dilation, tf32: bool) -> bool:
@@ -410,7 +443,10 @@ def conv2d_div_leaky_relu(
         s = list(_conv.pair(stride, "stride", FNAME, 1))
         d = list(_conv.pair(dilation, "dilation", FNAME, 1))
         args = (input, weight, bias, float(divisor), float(negative_slope), s, list(pad), d, tf32)
-        if needs_grad or torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if needs_grad and not (compiling or F._functorch_active() or F._forward_ad_active()):
+            return _FusedEager.apply(*args)
+        if needs_grad or compiling:
             return fused_op(*args, needs_grad)[0]
         return fused_forward(*args, False)[0]
     cl = algorithm == "channels_last"
