@@ -45,7 +45,7 @@
 // aligned, as at 126-wide outputs). Where dy's planes lie a whole number of
 // 16-byte units apart (every line's run then starts at the same offset in its
 // unit), conv2d_wgrad_kernel_tmap has the copy engine bring all of a tile's
-// lines in one tensor copy (a box of kRawStride elements from that unit, 64
+// lines in one tensor copy (a box of kBM + 8 elements from that unit, 64
 // lines: the same rows), instead of one bulk copy per line: Nsight at the
 // seed shape on H200, float32 647.8 -> 564.2 us, "fused_tf32" 477.1 ->
 // 375.4, float16 (128-wide, padding 1) 508.8 -> 401.3. All paths sum the same
@@ -339,8 +339,8 @@ __device__ __forceinline__ void wgrad_tiles(const ConvParams& p, const TensorMap
   float* bsum = dzs + kDzBytes / 4;
   const u32 dzs_addr = (u32)__cvta_generic_to_shared(dzs);
   const u32 raw0 = kTmap ? (dzs_addr + 127) & ~127u : dzs_addr;
-  u32* maligned =
-      reinterpret_cast<u32*>(reinterpret_cast<char*>(dzs) + (raw0 - dzs_addr) + kStages * kRawBytes);
+  u32* maligned = reinterpret_cast<u32*>(reinterpret_cast<char*>(dzs) + (raw0 - dzs_addr) +
+                                         kStages * kRawBytes);
   const u32 bar0 = (u32)__cvta_generic_to_shared(maligned + kBN * 4);
   if (kStages > 0 && tid == 0)
     for (int s = 0; s < kStages; ++s) bar_init(bar0 + 8 * s);
@@ -413,8 +413,7 @@ __device__ __forceinline__ void wgrad_tiles(const ConvParams& p, const TensorMap
       const int pos = th * rows_per_tile * p.ow + tw * cols;  // in the plane (< 2^31)
       const u32 bar = bar0 + 8 * stage;
       bar_expect(bar, lane == 0 ? kRawBytes : 0);
-      if (lane == 0)
-        tensor_copy_3d(raw0 + stage * kRawBytes, *dy_map, pos & -kVec, tile_n, n, bar);
+      if (lane == 0) tensor_copy_3d(raw0 + stage * kRawBytes, *dy_map, pos & -kVec, tile_n, n, bar);
       return;
     }
     long long e0;
@@ -679,7 +678,7 @@ __global__ void __launch_bounds__(kConvThreads, 3) conv2d_wgrad_kernel(const Con
 // The bulk path with dy by tensor copies: one copy-engine operation per tile
 // instead of one per line (_conv.wgrad_tmap: dy's planes a whole number of
 // 16-byte units apart, so that every line's run starts at the same offset in
-// its unit, and a box of kRawStride elements lands as the line copies do).
+// its unit, and a box of kBM + 8 elements per line lands as the line copies do).
 template <typename T, int kPasses, int kStages>
 __global__ void __launch_bounds__(kConvThreads, 3)
     conv2d_wgrad_kernel_tmap(const ConvParams p, const __grid_constant__ TensorMap dy_map) {
