@@ -18,7 +18,7 @@ import threading
 # CUtensorMapDataType: the copies move bits, so unsigned integers of the
 # element's width (no float conversion, no flush of subnormals).
 _DATA_TYPE = {2: 1, 4: 2, 8: 4}  # itemsize -> UINT16, UINT32, UINT64
-SWIZZLE_NONE, SWIZZLE_128B = 0, 3  # CUtensorMapSwizzle
+SWIZZLE_NONE = 0  # CUtensorMapSwizzle: boxes land row after row, as in global memory
 _L2_256B = 3  # CUtensorMapL2promotion: fetch whole 256-byte sectors into L2
 MAP_BYTES = 128  # sizeof(CUtensorMap); the driver wants it 64-byte aligned
 
@@ -64,14 +64,13 @@ class TiledMap:
     ``dims`` are element counts, innermost first; ``strides`` the byte strides
     of dims 1 on (multiples of 16); ``box`` the elements one copy brings per
     dimension (at most 256; the innermost times ``itemsize`` a multiple of
-    16, at most 128 bytes with the 128-byte swizzle). Parts of a box outside
-    the tensor land as zeros. A copy's innermost coordinate must start a
-    16-byte unit.
+    16), landing unswizzled. Parts of a box outside the tensor land as
+    zeros. A copy's innermost coordinate must start a 16-byte unit.
     """
 
     __slots__ = ("_args", "_last")
 
-    def __init__(self, itemsize: int, dims, strides, box, swizzle: int = SWIZZLE_NONE) -> None:
+    def __init__(self, itemsize: int, dims, strides, box) -> None:
         if len(strides) != len(dims) - 1 or len(box) != len(dims):
             raise ValueError(
                 f"TiledMap: {len(dims)} dims need {len(dims) - 1} strides and {len(dims)} box "
@@ -87,7 +86,6 @@ class TiledMap:
             _DATA_TYPE[itemsize], rank,
             (ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * rank)(*strides, 0),
             (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)),
-            swizzle,
         )  # fmt: skip
         self._last: tuple = (None, None, 0)  # (address, buffer, descriptor's address)
 
@@ -104,8 +102,8 @@ class TiledMap:
             raise RuntimeError("cupy_act: the CUDA driver has no cuTensorMapEncodeTiled")
         buf = ctypes.create_string_buffer(MAP_BYTES + 64)
         at = -(-ctypes.addressof(buf) // 64) * 64
-        dtype, rank, dims, strides, box, steps, swizzle = self._args
-        err = f(at, dtype, rank, address, dims, strides, box, steps, 0, swizzle, _L2_256B, 0)
+        dtype, rank, dims, strides, box, steps = self._args
+        err = f(at, dtype, rank, address, dims, strides, box, steps, 0, SWIZZLE_NONE, _L2_256B, 0)
         if err:
             raise RuntimeError(
                 f"cupy_act: cuTensorMapEncodeTiled failed (CUresult {err}) for a tensor at "
