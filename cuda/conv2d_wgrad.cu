@@ -3,6 +3,8 @@
 //
 //   conv2d_wgrad_kernel<T, kPasses, kChannelsLast, kStages>  (grid: splits x column tiles x chunks)
 //   conv2d_wgrad_kernel_tmap<T, kPasses, kStages>  (the same, dy by tensor copies)
+//   conv2d_wgrad_kernel_wg<T, kPasses, kDy>, _wg_tmap<T, kPasses>  (sm_90a, 3 x 3 at
+//     stride 1: the same sums on warpgroup MMAs, see "On warpgroup MMAs" below)
 //     part[s][co][k] = sum over the positions m of split s of dz[m][co] * patch[m][k]
 //     part[splits][cout] + [s][co] = sum over the same positions of dz[m][co]
 //   conv2d_wgrad_finish<T>
@@ -65,6 +67,7 @@
 #include "conv2d_tiles.cuh"
 #include "params.cuh"
 #include "activations.cuh"
+#include "wgmma.cuh"
 
 namespace cupy_act {
 
@@ -174,6 +177,135 @@ __device__ __forceinline__ void bar_wait(u32 bar, u32 parity) {
 #else
   __trap();
 #endif
+}
+
+// The bulk path's dy (_conv.wgrad_bulk: a tile's positions in each channel
+// are one run of dy, starting at an even element), for one block: its copies
+// into raw rows [kBN][kRawStride<T> bytes], and the mask words of its bits,
+// realigned (bit p of a line's 4 words: position p of the run).
+template <typename T, bool kTmap>
+struct DyRuns {
+  static constexpr int kVec = 16 / sizeof(T);  // elements per 16 bytes
+  static constexpr int kRawBytes = kBN * kRawStride<T>;
+  const ConvParams* p;
+  const T* dy;
+  const TensorMap* map;  // kTmap: dy's tensor map
+  int tile_n, rows_per_tile, cols;
+  long long out_plane;
+
+  // The first element of tile `tile`'s line 0, and the run's length.
+  __device__ __forceinline__ void run(int tile, long long& e0, int& len) const {
+    const int th = tile % p->tiles_h, tw = (tile / p->tiles_h) % p->tiles_w;
+    const int n = tile / (p->tiles_w * p->tiles_h);
+    const int oh0 = th * rows_per_tile, ow0 = tw * cols;
+    e0 = ((long long)n * p->cout + tile_n) * out_plane + (long long)oh0 * p->ow + ow0;
+    len = (min(rows_per_tile, p->oh - oh0) - 1) * p->ow + min(cols, p->ow - ow0);
+  }
+
+  // Warp 0 has the copy engine bring each line's run of dy, widened to whole
+  // 16-byte units (the run's first element lands e % kVec elements into its
+  // row), into the rows at shared address dst; each lane counts its own bytes
+  // on `bar`. Lines past cout are not copied (their rows' sums are never
+  // written).
+  __device__ __forceinline__ void issue(int tile, u32 dst, u32 bar, int lane) const {
+    if (kTmap) {  // one box: every line's run, from the 16-byte unit it starts in
+      const int th = tile % p->tiles_h, tw = (tile / p->tiles_h) % p->tiles_w;
+      const int n = tile / (p->tiles_w * p->tiles_h);
+      const int pos = th * rows_per_tile * p->ow + tw * cols;  // in the plane (< 2^31)
+      bar_expect(bar, lane == 0 ? kRawBytes : 0);
+      if (lane == 0) tensor_copy_3d(dst, *map, pos & -kVec, tile_n, n, bar);
+      return;
+    }
+    long long e0;
+    int len;
+    run(tile, e0, len);
+    const int lines = min(kBN, p->cout - tile_n);
+    u32 bytes = 0;
+    for (int line = lane; line < lines; line += 32) {
+      const int shift = (int)((e0 + line * out_plane) & (kVec - 1));
+      bytes += ((shift + len + kVec - 1) / kVec) * 16;
+    }
+    bar_expect(bar, bytes);
+    for (int line = lane; line < lines; line += 32) {
+      const long long e = e0 + line * out_plane;
+      const int shift = (int)(e & (kVec - 1));
+      bulk_copy(dst + line * kRawStride<T>, dy + (e - shift),
+                ((shift + len + kVec - 1) / kVec) * 16, bar);
+    }
+  }
+
+  // Without the copy engine (dy not 16-byte aligned): each line's run by
+  // plain loads into its row from the row's start (a warp per line), zeros
+  // past the run and for lines past cout.
+  __device__ __forceinline__ void load(int tile, T* rows, int tid) const {
+    long long e0;
+    int len;
+    run(tile, e0, len);
+    const int lines = min(kBN, p->cout - tile_n);
+#pragma unroll 2
+    for (int line = tid >> 5; line < kBN; line += kConvThreads / 32) {
+      T v[kBM / 32];
+#pragma unroll
+      for (int i = 0; i < kBM / 32; ++i) {
+        const int at = (tid & 31) + 32 * i;
+        v[i] = ldg_if(dy + e0 + line * out_plane + at, line < lines && at < len);
+      }
+#pragma unroll
+      for (int i = 0; i < kBM / 32; ++i) rows[line * (kBM + 8) + (tid & 31) + 32 * i] = v[i];
+    }
+  }
+
+  // The mask words of tile `tile`, by plain loads: item k = tid + 128 i of
+  // line k / 4 takes bits 32 (k % 4) on of its run from two words (clamped to
+  // the run's last word; bits past the run are never used).
+  __device__ __forceinline__ void mask_words(int tile, int tid, u32 (&mw)[2][2]) const {
+    static_assert(kBN * 4 == 2 * kConvThreads, "two mask items per thread");
+    long long e0;
+    int len;
+    run(tile, e0, len);
+    const int lines = min(kBN, p->cout - tile_n);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int k = tid + i * kConvThreads, line = k >> 2;
+      const long long e = e0 + line * out_plane, last = (e + len - 1) >> 5;
+      const long long w0 = (e >> 5) + (k & 3);
+      mw[i][0] = line < lines ? __ldg(p->mask + min(w0, last)) : 0u;
+      mw[i][1] = line < lines ? __ldg(p->mask + min(w0 + 1, last)) : 0u;
+    }
+  }
+
+  // Those words realigned into `maligned` ([kBN][4]: bit p of a line's words
+  // is position p of its run).
+  __device__ __forceinline__ void realign(int tile, int tid, const u32 (&mw)[2][2],
+                                          u32* maligned) const {
+    long long e0;
+    int len;
+    run(tile, e0, len);
+    const u32 e_lo = (u32)e0, plane_lo = (u32)out_plane;  // low bits suffice
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int k = tid + i * kConvThreads;
+      maligned[k] = __funnelshift_r(mw[i][0], mw[i][1], (e_lo + (u32)(k >> 2) * plane_lo) & 31u);
+    }
+  }
+
+  // Where line `line`'s run starts in its row (bytes); rows by plain loads
+  // (`load`) start at 0.
+  __device__ __forceinline__ u32 shift_bytes(int tile, int line) const {
+    long long e0;
+    int len;
+    run(tile, e0, len);
+    return (((u32)e0 + (u32)line * (u32)out_plane) & (kVec - 1)) * sizeof(T);
+  }
+};
+
+// The block's elementwise functor (its slope and 1 / divisor from p).
+template <typename T>
+__device__ __forceinline__ DivLeakyRelu<T> block_op(const ConvParams& p) {
+  Params ap;
+  ap.slope = p.slope;
+  ap.scale = p.scale;
+  return DivLeakyRelu<T>(ap);
 }
 
 // Where wgrad_step's A operand (dz, channel rows g + 8h + 16i of this warp's
@@ -372,10 +504,7 @@ __device__ __forceinline__ void wgrad_tiles(const ConvParams& p, const TensorMap
   const u32 one = g == 0 ? 0x3f800000u : 0u;  // B column 0 all ones, the others zero
   const u32 ones[2] = {one, one};
 
-  Params ap;  // the elementwise functor's scalars
-  ap.slope = p.slope;
-  ap.scale = p.scale;
-  const DivLeakyRelu<T> op(ap);
+  const DivLeakyRelu<T> op = block_op<T>(p);
   const long long out_plane = (long long)p.oh * p.ow;
   const int tiles = p.n * p.tiles_h * p.tiles_w;
   const int rows_per_tile = kBM >> p.c_log2;
@@ -390,49 +519,9 @@ __device__ __forceinline__ void wgrad_tiles(const ConvParams& p, const TensorMap
   const bool dz_vec = (p.ow & 3) == 0 && ((u64)dy & (4 * sizeof(T) - 1)) == 0;
   const bool x_vec = (p.w_in & 3) == 0 && ((u64)x & (4 * sizeof(T) - 1)) == 0;
 
-  // The bulk path (_conv.wgrad_bulk: a tile's positions in each channel are
-  // one run of dy, starting at an even element). The first element of tile
-  // `tile`'s line 0, and the run's length.
-  constexpr int kVec = 16 / sizeof(T);  // elements per 16 bytes
-  auto tile_run = [&](int tile, long long& e0, int& len) {
-    const int th = tile % p.tiles_h, tw = (tile / p.tiles_h) % p.tiles_w;
-    const int n = tile / (p.tiles_w * p.tiles_h);
-    const int oh0 = th * rows_per_tile, ow0 = tw * cols;
-    e0 = ((long long)n * p.cout + tile_n) * out_plane + (long long)oh0 * p.ow + ow0;
-    len = (min(rows_per_tile, p.oh - oh0) - 1) * p.ow + min(cols, p.ow - ow0);
-  };
-  // Warp 0 has the copy engine bring each line's run of dy, widened to whole
-  // 16-byte units (the run's first element lands e % kVec elements into its
-  // row), and the 16-byte units of mask words that hold its bits, into
-  // stage `stage`; each lane counts its own bytes on the stage's barrier.
-  // Lines past cout are not copied (their rows' sums are never written).
+  const DyRuns<T, kTmap> runs{&p, dy, dy_map, tile_n, rows_per_tile, cols, out_plane};
   auto issue = [&](int tile, int stage) {
-    if (kTmap) {  // one box: every line's run, from the 16-byte unit it starts in
-      const int th = tile % p.tiles_h, tw = (tile / p.tiles_h) % p.tiles_w;
-      const int n = tile / (p.tiles_w * p.tiles_h);
-      const int pos = th * rows_per_tile * p.ow + tw * cols;  // in the plane (< 2^31)
-      const u32 bar = bar0 + 8 * stage;
-      bar_expect(bar, lane == 0 ? kRawBytes : 0);
-      if (lane == 0) tensor_copy_3d(raw0 + stage * kRawBytes, *dy_map, pos & -kVec, tile_n, n, bar);
-      return;
-    }
-    long long e0;
-    int len;
-    tile_run(tile, e0, len);
-    const int lines = min(kBN, p.cout - tile_n);
-    u32 bytes = 0;
-    for (int line = lane; line < lines; line += 32) {
-      const int shift = (int)((e0 + line * out_plane) & (kVec - 1));
-      bytes += ((shift + len + kVec - 1) / kVec) * 16;
-    }
-    const u32 bar = bar0 + 8 * stage;
-    bar_expect(bar, bytes);
-    for (int line = lane; line < lines; line += 32) {
-      const long long e = e0 + line * out_plane;
-      const int shift = (int)(e & (kVec - 1));
-      bulk_copy(raw0 + stage * kRawBytes + line * kRawStride<T>, dy + (e - shift),
-                ((shift + len + kVec - 1) / kVec) * 16, bar);
-    }
+    runs.issue(tile, raw0 + stage * kRawBytes, bar0 + 8 * stage, lane);
   };
   if (kStages > 1 && warp == 0)
     for (int s = 0; s < kStages - 1 && tile_first + s < tile_end; ++s) issue(tile_first + s, s);
@@ -461,26 +550,8 @@ __device__ __forceinline__ void wgrad_tiles(const ConvParams& p, const TensorMap
     __syncthreads();  // the previous tile's MMAs are done with the patch, dz and kbt
     if (kStages > 0 && warp == 0 && tile + kStages - 1 < tile_end)
       issue(tile + kStages - 1, (it + kStages - 1) % kStages);
-    // The bulk path's mask words, by plain loads: item k = tid + 128 i of
-    // line k / 4 takes bits 32 (k % 4) on of its run from two words (clamped
-    // to the run's last word; bits past the run are never used), realigned
-    // once the copies have landed.
-    static_assert(kBN * 4 == 2 * kConvThreads, "two mask items per thread");
-    u32 mw[2][2];
-    if (kStages > 0) {
-      long long e0;
-      int len;
-      tile_run(tile, e0, len);
-      const int lines = min(kBN, p.cout - tile_n);
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int k = tid + i * kConvThreads, line = k >> 2;
-        const long long e = e0 + line * out_plane, last = (e + len - 1) >> 5;
-        const long long w0 = (e >> 5) + (k & 3);
-        mw[i][0] = line < lines ? __ldg(p.mask + min(w0, last)) : 0u;
-        mw[i][1] = line < lines ? __ldg(p.mask + min(w0 + 1, last)) : 0u;
-      }
-    }
+    u32 mw[2][2];  // the bulk path's mask words (DyRuns::mask_words)
+    if (kStages > 0) runs.mask_words(tile, tid, mw);
     for (int k = tid; k < kWgradDepth; k += kConvThreads) {  // bytes
       const int e = koff[k];
       kbt[k] = ((e & 0xffff) + ring_slot(base, e >> 16, p.patch_h) * p.patch_w) * 4;
@@ -581,17 +652,9 @@ __device__ __forceinline__ void wgrad_tiles(const ConvParams& p, const TensorMap
     const int stage = kStages > 0 ? it % kStages : 0;
     u32 shift_bytes = 0;  // where this thread's lines' runs start in their rows
     if (kStages > 0) {
-      long long e0;
-      int len;
-      tile_run(tile, e0, len);
-      const u32 e_lo = (u32)e0, plane_lo = (u32)out_plane;  // low bits suffice
-      shift_bytes = ((e_lo + (u32)(wm * 32 + g) * plane_lo) & (kVec - 1)) * sizeof(T);
+      shift_bytes = runs.shift_bytes(tile, wm * 32 + g);
       bar_wait(bar0 + 8 * stage, (it / kStages) & 1);
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int k = tid + i * kConvThreads;
-        maligned[k] = __funnelshift_r(mw[i][0], mw[i][1], (e_lo + (u32)(k >> 2) * plane_lo) & 31u);
-      }
+      runs.realign(tile, tid, mw, maligned);
     }
     __syncthreads();
 
@@ -683,6 +746,276 @@ template <typename T, int kPasses, int kStages>
 __global__ void __launch_bounds__(kConvThreads, 3)
     conv2d_wgrad_kernel_tmap(const ConvParams p, const __grid_constant__ TensorMap dy_map) {
   wgrad_tiles<T, kPasses, false, kStages, true>(p, &dy_map);
+}
+
+// ---- On warpgroup MMAs (sm_90a) ----
+//
+// conv2d_wgrad_kernel_wg<T, kPasses, kDy> (kDy 0: dy by plain loads, 1: bulk
+// copies per line) and conv2d_wgrad_kernel_wg_tmap<T, kPasses> (tensor
+// copies): 3 x 3 filters, stride 1, dilation 1, NCHW, one-row tiles (C =
+// 128), chunks of at most 8 input channels (_conv.wgrad_wgmma). The same
+// grid, splits and partial sums as the kernels above; the block's 4 warps
+// are one warpgroup, warp w taking output channels 16 w .. 16 w + 15 and
+// every position of the tile:
+//   acc[r][co][(s, ci)] += dz[co][m] * x[ci][oh - ph + r][ow0 + m - pw + s]
+// summed over the tile's positions m, 8 a step: per step and pass three
+// m64n24k8 wgmmas (one per filter row r), A = dz from registers (DzRaw: from
+// the raw dy rows and the realigned mask, as the bulk path forms it), B = the
+// input rows expanded in shared memory. Each input row is stored once per
+// shift s (its 8 channels x 128 positions, split into TF32 parts), K-major
+// core matrices with a step's even positions at depths 0-3 and odd ones at
+// 4-7 (the A fragment's depth t is position 2t, t + 4 is 2t + 1: a thread's
+// two dz values lie side by side). The expanded rows form a ring of three
+// (input row oh - ph + r of output row oh in slot (oh + r) % 3): the next
+// output row expands one new row. Positions past the output's edge have zero
+// A and B operands (x there may be inf).
+//
+// The bias gradient sums the dz floats (two FADDs per value, reduced over
+// the quad at the end in a fixed order). A block's sums run over all of its
+// positions in one order fixed by the shape: deterministic, and the same
+// bits whichever way dy came in (the three kDy paths fill the same rows).
+// Different bits from the mma.sync kernels (another order of the terms).
+constexpr int kWgSteps = kBM / 8;         // 8-position steps per tile
+constexpr int kWgGroup = kWgSteps * 256;  // bytes: one shift of a row (8 ch x 128 positions)
+constexpr int kWgSlot = 3 * kWgGroup;     // one input row's three shifts
+constexpr int kWgPart = 3 * kWgSlot;      // the ring, per TF32 part
+
+// Expands input row ih (image n, channels c0 .. c0 + cc - 1; zeros outside
+// the image, past cc and at positions from row_len on) into ring slot `slot`
+// (shared address of the ring's big part). Thread (ci = tid % 8, step j =
+// tid / 8) loads the 10 values of positions 8j .. 8j + 7 and their two
+// shifts, splits each once and stores 16 bytes per core matrix and part.
+template <typename T, int kPasses>
+__device__ __forceinline__ void expand_row(u32 ring, int slot, const ConvParams& p, const T* x,
+                                           int n, int c0, int cc, int ih, int ow0, int row_len,
+                                           int tid) {
+  const int ci = tid & 7, j = tid >> 3;
+  const bool ok = ci < cc && ih >= 0 && ih < p.h;
+  const T* src = x + (((long long)n * p.cin + c0 + ci) * p.h + ih) * p.w_in;
+  const int col0 = ow0 + 8 * j - p.pw;
+  T e[10];  // the loads first: all in flight together
+#pragma unroll
+  for (int u = 0; u < 10; ++u) {
+    const int col = col0 + u;
+    e[u] = ldg_if(src + col, ok && col >= 0 && col < p.w_in);
+  }
+  u32 big[10], small[10];
+#pragma unroll
+  for (int u = 0; u < 10; ++u) split<kPasses>(Num<T>::to_op(e[u]), big[u], small[u]);
+  const int valid = row_len - 8 * j;  // positions of this step inside the output
+#pragma unroll
+  for (int s = 0; s < 3; ++s) {
+    const u32 at = ring + slot * kWgSlot + s * kWgGroup + j * 256 + ci * 16;
+#pragma unroll
+    for (int part = 0; part < (kPasses == 3 ? 2 : 1); ++part) {
+      const u32(&v)[10] = part ? small : big;
+      u32 even[4], odd[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        even[e] = 2 * e < valid ? v[2 * e + s] : 0u;
+        odd[e] = 2 * e + 1 < valid ? v[2 * e + 1 + s] : 0u;
+      }
+      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n"
+                   " st.shared.v4.b32 [%0+128], {%5, %6, %7, %8};"
+                   :: "r"(at + part * kWgPart), "r"(even[0]), "r"(even[1]), "r"(even[2]),
+                      "r"(even[3]), "r"(odd[0]), "r"(odd[1]), "r"(odd[2]), "r"(odd[3])
+                   : "memory");
+    }
+  }
+}
+
+template <bool B>
+struct Flag {
+  static constexpr bool value = B;
+};
+
+// split<3>(x) in fewer operations, where big is finite (x finite and not
+// rounding up past the largest TF32 value: then split<3> gives the same
+// words); returns whether it is (if not, split<3> must redo it).
+__device__ __forceinline__ bool split_finite(float x, u32& big, u32& small) {
+  const u32 r = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+  float d;
+  asm("sub.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(x), "f"(__uint_as_float(r)));
+  big = r;
+  small = __float_as_uint(d);
+  return finite_bits(r);
+}
+
+template <typename T, int kPasses, int kDy>
+__device__ __forceinline__ void wgrad_tiles_wg(const ConvParams& p, const TensorMap* dy_map) {
+  static_assert(kPasses == 1 || kPasses == 3, "one TF32 pass or the 3xTF32 split");
+  constexpr int kParts = kPasses == 3 ? 2 : 1;
+  constexpr int kRawBytes = kBN * kRawStride<T>;
+  extern __shared__ __align__(16) float smem[];
+  const T* x = static_cast<const T*>(p.x);
+  const T* dy = static_cast<const T*>(p.y);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int col_tiles = (p.cout + kBN - 1) / kBN;
+  const int tile_n = (blockIdx.y % col_tiles) * kBN;
+  const int c0 = (blockIdx.y / col_tiles) * p.cc;  // this block's chunk of input channels
+  const int cc = min(p.cc, p.cin - c0);
+
+  // Shared memory (_conv.wgrad_wg_smem), from the first 128-byte boundary:
+  // the ring [kParts][3 slots][3 shifts][kWgSteps][2][8][4 words] | raw dy
+  // [kBN][kRawStride bytes] | the realigned mask [kBN][4] | an mbarrier.
+  const u32 s0 = (u32)__cvta_generic_to_shared(smem);
+  const u32 ring = (s0 + 127) & ~127u;
+  const u32 raw0 = ring + kParts * kWgPart;
+  T* rows = reinterpret_cast<T*>(reinterpret_cast<char*>(smem) + (raw0 - s0));
+  u32* maligned = reinterpret_cast<u32*>(reinterpret_cast<char*>(rows) + kRawBytes);
+  const u32 bar = raw0 + kRawBytes + kBN * 16;
+  if (kDy > 0 && tid == 0) bar_init(bar);
+
+  const DivLeakyRelu<T> op = block_op<T>(p);
+  const long long out_plane = (long long)p.oh * p.ow;
+  const int tiles = p.n * p.tiles_h * p.tiles_w;
+  const int tile_first = blockIdx.x * p.tiles_per_split;
+  const int tile_end = min(tiles, tile_first + p.tiles_per_split);
+  const DyRuns<T, kDy == 2> runs{&p, dy, dy_map, tile_n, 1, kBM, out_plane};
+  // This thread's A rows: line 16 w + g (and + 8) at position 2t.
+  const u32 raw_row = raw0 + (warp * 16 + g) * kRawStride<T> + 2 * t * (int)sizeof(T);
+  const u32 mask_row = (u32)__cvta_generic_to_shared(maligned) + (warp * 16 + g) * 16;
+
+  float acc[3][12], accb[2] = {0.f, 0.f};
+#pragma unroll
+  for (int r = 0; r < 3; ++r)
+#pragma unroll
+    for (int i = 0; i < 12; ++i) acc[r][i] = 0.f;
+
+  for (int tile = tile_first, it = 0; tile < tile_end; ++tile, ++it) {
+    const int th = tile % p.tiles_h;
+    const int tw = (tile / p.tiles_h) % p.tiles_w;
+    const int n = tile / (p.tiles_w * p.tiles_h);
+    const int oh0 = th, ow0 = tw * kBM;
+    const int row_len = min(kBM, p.ow - ow0);
+    __syncthreads();  // the previous tile's MMAs (waited for) are done with the ring and dy
+    if (kDy > 0 && warp == 0) runs.issue(tile, raw0, bar, lane);
+    u32 mw[2][2];
+    runs.mask_words(tile, tid, mw);
+    if (kDy == 0) runs.load(tile, rows, tid);
+    // The rows the previous output row did not have: the last, or all three.
+    const bool next_row = th > 0 && tile > tile_first;
+    for (int r = next_row ? 2 : 0; r < 3; ++r)
+      expand_row<T, kPasses>(ring, (oh0 + r) % 3, p, x, n, c0, cc, oh0 - p.ph + r, ow0, row_len,
+                             tid);
+    wgmma_fence_smem();  // the wgmmas read the ring through the async proxy
+    const u32 shift = kDy > 0 ? runs.shift_bytes(tile, warp * 16 + g) : 0u;
+    if (kDy > 0) bar_wait(bar, it & 1);
+    runs.realign(tile, tid, mw, maligned);
+    __syncthreads();
+
+    // A (dz) of step j: rows g, g + 8 at positions 8j + 2t (depth t) and + 1
+    // (depth t + 4), a[part][h + 2q] for row g + 8h, position 2t + q; zero past
+    // the output's edge (guard: the step reaches past it). The bias sums take
+    // them too. Three passes split by split_finite, and by split<3> again in
+    // the rare thread whose values are not all finite.
+    auto load_a_as = [&](auto guard, int j, u32(&a)[2][4]) {
+      const int p0 = 8 * j;
+      const DzRaw<T> dz{raw_row + shift + p0 * (int)sizeof(T), mask_row + (p0 >> 5) * 4,
+                        (p0 & 31) + 2 * t, op};
+      float v[4];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        dz(0, h, v[h], v[h + 2]);
+        if (decltype(guard)::value) {
+          v[h] = p0 + 2 * t < row_len ? v[h] : 0.f;
+          v[h + 2] = p0 + 2 * t + 1 < row_len ? v[h + 2] : 0.f;
+        }
+        accb[h] = add_rn(accb[h], v[h]);
+        accb[h] = add_rn(accb[h], v[h + 2]);
+      }
+      bool finite = true;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if (kPasses == 3)
+          finite &= split_finite(v[i], a[0][i], a[1][i]);
+        else
+          split<1>(v[i], a[0][i], a[1][i]);
+      }
+      if (kPasses == 3 && !finite) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) split<3>(v[i], a[0][i], a[1][i]);
+      }
+    };
+    auto load_a = [&](int j, u32(&a)[2][4]) {
+      if (8 * j + 8 <= row_len)
+        load_a_as(Flag<false>{}, j, a);
+      else
+        load_a_as(Flag<true>{}, j, a);
+    };
+    u64 desc[3];  // filter row r's B: its input row's slot, shift 0 (SBO: the next shift)
+#pragma unroll
+    for (int r = 0; r < 3; ++r) desc[r] = wgmma_desc(ring + ((oh0 + r) % 3) * kWgSlot, kWgGroup);
+    constexpr u64 kSmall = kWgPart >> 4;
+    auto mma = [&](int j, const u32(&a)[2][4]) {
+      wgmma_fence();
+      if (kPasses == 3) {
+#pragma unroll
+        for (int r = 0; r < 3; ++r) wgmma_tf32_n24(acc[r], a[1], desc[r] + 16 * j);
+#pragma unroll
+        for (int r = 0; r < 3; ++r) wgmma_tf32_n24(acc[r], a[0], desc[r] + 16 * j + kSmall);
+      }
+#pragma unroll
+      for (int r = 0; r < 3; ++r) wgmma_tf32_n24(acc[r], a[0], desc[r] + 16 * j);
+      wgmma_commit();
+    };
+    auto settle = [&]() {
+      wgmma_wait_all();
+#pragma unroll
+      for (int r = 0; r < 3; ++r) wgmma_hold(acc[r]);
+    };
+    // Step j's MMAs run while step j + 1's operands load (two register sets).
+    const int steps = (row_len + 7) >> 3;
+    u32 a0[2][4], a1[2][4];
+    load_a(0, a0);
+    for (int j = 0; j < steps; j += 2) {
+      mma(j, a0);
+      if (j + 1 < steps) load_a(j + 1, a1);
+      settle();
+      if (j + 1 < steps) {
+        mma(j + 1, a1);
+        if (j + 2 < steps) load_a(j + 2, a0);
+        settle();
+      }
+    }
+  }
+
+  // The quad's bias sums in a fixed order, then this split's partial weight
+  // (and bias) gradient: acc[r][4 s + q] is channel 16 w + g + 8 (q / 2),
+  // column (s, ci = 2t + q % 2) of filter row r.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    accb[h] = add_rn(accb[h], __shfl_xor_sync(0xffffffffu, accb[h], 1));
+    accb[h] = add_rn(accb[h], __shfl_xor_sync(0xffffffffu, accb[h], 2));
+  }
+  const int k_total = p.cin * 9;
+  float* part = p.part + (long long)blockIdx.x * p.cout * k_total;
+  float* bpart = p.part + (long long)p.splits * p.cout * k_total + (long long)blockIdx.x * p.cout;
+  const bool with_bias = blockIdx.y < col_tiles;  // the bias: the first chunk's blocks
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int co = tile_n + warp * 16 + g + 8 * (q >> 1), ci = 2 * t + (q & 1);
+    if (co >= p.cout) continue;
+#pragma unroll
+    for (int r = 0; r < 3; ++r)
+#pragma unroll
+      for (int s = 0; s < 3; ++s)
+        if (ci < cc) part[(long long)co * k_total + (c0 + ci) * 9 + r * 3 + s] = acc[r][4 * s + q];
+    if (with_bias && t == 0 && (q & 1) == 0) bpart[co] = accb[q >> 1];
+  }
+}
+
+template <typename T, int kPasses, int kDy>
+__global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 2 : 3)
+    conv2d_wgrad_kernel_wg(const ConvParams p) {
+  wgrad_tiles_wg<T, kPasses, kDy>(p, nullptr);
+}
+
+template <typename T, int kPasses>
+__global__ void __launch_bounds__(kConvThreads, kPasses == 3 ? 2 : 3)
+    conv2d_wgrad_kernel_wg_tmap(const ConvParams p, const __grid_constant__ TensorMap dy_map) {
+  wgrad_tiles_wg<T, kPasses, 2>(p, &dy_map);
 }
 
 // float -> double, exactly (inline PTX: under -ftz a C cast flushes subnormals).

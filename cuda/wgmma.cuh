@@ -1,5 +1,5 @@
 // wgmma.cuh: warpgroup MMAs (sm_90a wgmma.mma_async), TF32, for the fused
-// convolution's forward. Compiled for sm_90a only (_conv adds -arch=sm_90a
+// convolution's forward and weight gradient. Compiled for sm_90a only (_conv adds -arch=sm_90a
 // for compute capability 9.0); elsewhere kWgmma is false and these trap.
 //
 // One instruction: the block's 4 warps (a warpgroup) compute D[64][64] +=
@@ -74,9 +74,10 @@ __device__ __forceinline__ void wgmma_wait_all() {
 
 // Keeps the compiler from moving accesses to the accumulators across the
 // point where it stands (they belong to the asynchronous MMAs in between).
-__device__ __forceinline__ void wgmma_hold(float (&d)[32]) {
+template <int N>
+__device__ __forceinline__ void wgmma_hold(float (&d)[N]) {
 #pragma unroll
-  for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 // d += a b: A from registers (a), B through descriptor b; m64n64k8, TF32
@@ -93,6 +94,22 @@ __device__ __forceinline__ void wgmma_tf32(float (&d)[32], const u32 (&a)[4], u6
         "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
         "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
         "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b)
+      : "memory");
+#else
+  __trap();
+#endif
+}
+
+// d += a b as above, m64n24k8 (three groups of 8 columns: the weight
+// gradient's filter row, conv2d_wgrad.cu).
+__device__ __forceinline__ void wgmma_tf32_n24(float (&d)[12], const u32 (&a)[4], u64 b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n24k8.f32.tf32.tf32 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15}, %16, 1, 1, 1;"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b)
       : "memory");
 #else

@@ -63,7 +63,9 @@ def wgrad_kernel_names(dtype: str) -> tuple[str, ...]:
     """The weight-gradient module's instantiations for ``dtype``: the main
     kernel per (passes, channels_last) of ``module_keys``, then its bulk-copy
     version (sm_90, NCHW: ``wgrad_bulk``) per NCHW key, then the bulk-copy
-    version by tensor copies (``wgrad_tmap``) per NCHW key, then the finish."""
+    version by tensor copies (``wgrad_tmap``) per NCHW key, then per NCHW key
+    the sm_90a kernel on warpgroup MMAs (``wgrad_wgmma``) with dy by plain
+    loads, by bulk copies and by tensor copies, then the finish."""
     t = CTYPES[dtype]
     keys = module_keys(dtype)
     main = tuple(
@@ -80,7 +82,17 @@ def wgrad_kernel_names(dtype: str) -> tuple[str, ...]:
         for _, n, cl in keys
         if not cl
     )
-    return (*main, *bulk, *tmap, f"cupy_act::conv2d_wgrad_finish<{t}>")
+    wg = tuple(
+        name
+        for _, n, cl in keys
+        if not cl
+        for name in (
+            f"cupy_act::conv2d_wgrad_kernel_wg<{t}, {n}, 0>",
+            f"cupy_act::conv2d_wgrad_kernel_wg<{t}, {n}, 1>",
+            f"cupy_act::conv2d_wgrad_kernel_wg_tmap<{t}, {n}>",
+        )
+    )
+    return (*main, *bulk, *tmap, *wg, f"cupy_act::conv2d_wgrad_finish<{t}>")
 
 
 def all_wgrad_kernel_names() -> tuple[str, ...]:
@@ -328,6 +340,9 @@ class WgradKernels(NamedTuple):
     bulk: ConvKernel | None  # the bulk-copy version (NCHW only)
     tmap: ConvKernel | None  # the bulk-copy version by tensor copies (NCHW only)
     finish: ConvKernel
+    # sm_90a, NCHW (wgrad_wgmma): on warpgroup MMAs, dy by plain loads, bulk
+    # copies, tensor copies
+    wg: tuple[ConvKernel, ConvKernel, ConvKernel] | None = None
 
 
 _lock = threading.Lock()
@@ -409,7 +424,9 @@ def wgrad_kernels(device: int, dtype: str, n_passes: int, channels_last: bool) -
         if i not in nchw:
             return WgradKernels(k, None, None, loaded[-1])
         j = len(keys) + nchw.index(i)
-        return WgradKernels(k, loaded[j], loaded[j + len(nchw)], loaded[-1])
+        w = len(keys) + 2 * len(nchw) + 3 * nchw.index(i)
+        wg = tuple(loaded[w : w + 3])
+        return WgradKernels(k, loaded[j], loaded[j + len(nchw)], loaded[-1], wg)
 
     return _instantiation(
         _wgrad_kernels, (device, dtype, n_passes, channels_last), (dtype, "wgrad"),
@@ -661,6 +678,35 @@ def wgrad_bulk_smem(dtype: str, tl: Tiling, tmap: bool = False) -> int:
     return tl.smem - 4 * TILE_N * DZ_STRIDE + WGRAD_STAGES * stage + TILE_N * 16 + slack
 
 
+# The sm_90a kernel's ring (conv2d_wgrad.cu, kWgPart): per TF32 part, three
+# input rows x three shifts x 8 channels x TILE_M positions, 4 bytes each.
+WG_RING_PART = 3 * 3 * 8 * TILE_M * 4
+
+
+def wgrad_wgmma(g: Geometry, tl: Tiling, channels_last: bool, sm: int) -> bool:
+    """Whether the weight gradient runs on warpgroup MMAs (conv2d_wgrad_kernel_wg):
+    compute capability 9.0 (its modules build for sm_90a), NCHW, 3 x 3
+    filters at stride 1 and dilation 1 (each output row adds one input row to
+    the ring), one-row tiles (C = 128) and chunks of at most 8 channels."""
+    return (
+        sm == 90
+        and not channels_last
+        and (g.kh, g.kw) == (3, 3)
+        and g.stride == (1, 1)
+        and g.dilation == (1, 1)
+        and tl.c_log2 == 7
+        and tl.cc <= 8
+    )
+
+
+def wgrad_wg_smem(dtype: str, n_passes: int) -> int:
+    """conv2d_wgrad_kernel_wg's shared memory: 128 bytes to align the ring, the
+    ring per TF32 part, raw dy (TILE_M + 8 elements per line), the realigned
+    mask (16 bytes per line) and an mbarrier."""
+    parts = 2 if n_passes == 3 else 1
+    return 128 + parts * WG_RING_PART + TILE_N * ((TILE_M + 8) * ITEMSIZE[dtype] + 16) + 8
+
+
 def _dy_map(g: Geometry, itemsize: int) -> _tensormap.TiledMap:
     """dy (NCHW) as tensor_copy_3d's map: positions of a plane (innermost),
     channels, images; a box is TILE_M + 8 positions (a tile's run from the
@@ -675,7 +721,10 @@ class WgradPlan(NamedTuple):
     """One weight-gradient launch: tiling, the split of the tiles, the grid and
     the float32 scratch it needs (partial sums per split); bulk_smem the
     bulk-copy kernel's shared memory where that path may run, else 0;
-    tmap_smem likewise for tensor copies, and dy_map their tensor map."""
+    tmap_smem likewise for tensor copies, and dy_map their tensor map;
+    wg_smem the warpgroup kernel's where it runs (``wgrad_wgmma``: then it
+    takes every launch, dy by tensor copies, bulk copies or plain loads, and
+    the splits follow its residency)."""
 
     tiling: Tiling
     n_passes: int
@@ -686,6 +735,7 @@ class WgradPlan(NamedTuple):
     bulk_smem: int
     tmap_smem: int = 0
     dy_map: _tensormap.TiledMap | None = None
+    wg_smem: int = 0  # the kernel on warpgroup MMAs' (wgrad_wgmma), else 0
 
 
 _wgrad_plans: dict[tuple, WgradPlan] = {}
@@ -706,7 +756,7 @@ def wgrad_plan(device: int, dtype: str, precision: str, channels_last: bool, g: 
     ks = wgrad_kernels(device, dtype, n_passes, channels_last)
     _allow_smem(ks.main, tl.smem)
     resident = _blocks(device, ks.main, tl.smem)
-    bulk_smem = tmap_smem = 0
+    bulk_smem = tmap_smem = wg_smem = 0
     dy_map = None
     sm, itemsize = _sm(device), ITEMSIZE[dtype]
     if ks.bulk is not None and wgrad_bulk(g, tl, channels_last, sm, itemsize):
@@ -718,6 +768,11 @@ def wgrad_plan(device: int, dtype: str, precision: str, channels_last: bool, g: 
         dy_map = _dy_map(g, itemsize)
         _allow_smem(ks.tmap, tmap_smem)
         resident = _blocks(device, ks.tmap, tmap_smem)
+    if ks.wg is not None and wgrad_wgmma(g, tl, channels_last, sm):
+        wg_smem = wgrad_wg_smem(dtype, n_passes)
+        for k in ks.wg:
+            _allow_smem(k, wg_smem)
+        resident = _blocks(device, ks.wg[0], wg_smem)
     tiles = g.n * tl.tiles_h * tl.tiles_w
     columns = math.ceil(g.cout / TILE_N) * math.ceil(g.cin / tl.cc)
     splits = max(1, min(tiles, resident // columns))
@@ -726,8 +781,9 @@ def wgrad_plan(device: int, dtype: str, precision: str, channels_last: bool, g: 
     k_total = g.cin * g.kh * g.kw
     floats = splits * g.cout * (k_total + 1)
     plan = WgradPlan(
-        tl, n_passes, per, splits, (splits, columns), floats, bulk_smem, tmap_smem, dy_map
-    )
+        tl, n_passes, per, splits, (splits, columns), floats, bulk_smem, tmap_smem, dy_map,
+        wg_smem,
+    )  # fmt: skip
     _wgrad_plans[key] = plan
     return plan
 
@@ -761,9 +817,15 @@ def launch_wgrad(
     # The bulk copies need dy 16-byte aligned (the mask too, as the path has
     # been tested, though its words now come by plain loads); the register
     # path runs the same splits in the same order: the same bits either way.
+    # The warpgroup kernel likewise gives its own bits whichever way dy comes.
     main, smem = ks.main, plan.tiling.smem
     dy_map: tuple | None = None
-    if plan.bulk_smem and dy % 16 == 0 and mask % 16 == 0 and ks.bulk is not None:
+    copies = plan.bulk_smem and dy % 16 == 0 and mask % 16 == 0
+    if plan.wg_smem and ks.wg is not None:  # the same bits by any of its three ways to dy
+        main, smem = ks.wg[1 if copies else 0], plan.wg_smem
+        if copies and plan.dy_map is not None:
+            main, dy_map = ks.wg[2], plan.dy_map.at(dy)
+    elif copies and ks.bulk is not None:
         main, smem = ks.bulk, plan.bulk_smem
         if plan.dy_map is not None and ks.tmap is not None:
             main, smem, dy_map = ks.tmap, plan.tmap_smem, plan.dy_map.at(dy)

@@ -69,11 +69,13 @@ if has sanitizer; then
   WG="(accuracy and (case3- or case17-)) or non_finite or empty or repeats or unaligned"
   WG="$WG or ((wide1 or wide3 or wide4) and dtype0-fused-) or ((bulk0 or bulk1 or bulk2) and dtype0-fused)"
   WG="$WG or ((bulk3 or bulk4) and dtype2)"  # 16-bit tensor copies: two column tiles, two rows per tile
+  # sm_90a warpgroup kernel: 3 column tiles and chunks, one-row output, dy by plain loads, 16-bit
+  WG="$WG or (warpgroup and (wg2 or wg3 or wg4) and dtype0 and not tf32) or (warpgroup and wg0 and dtype2)"
   timeout 300 compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
     tests/test_conv_wgrad.py -k "$WG" >> "$OUT/sanitizer_conv.log" 2>&1
   echo "sanitizer rc=$?" >> "$OUT/sanitizer_conv.log"
   timeout 300 compute-sanitizer --tool racecheck --kernel-name kns=conv2d_wgrad --error-exitcode 99 \
-    python3 -m pytest -q -p no:cacheprovider tests/test_conv_wgrad.py -k "((wide1 or wide3 or case3-) and dtype0-fused-) or (bulk2 and dtype0-fused)" \
+    python3 -m pytest -q -p no:cacheprovider tests/test_conv_wgrad.py -k "((wide1 or wide3 or case3-) and dtype0-fused-) or (bulk2 and dtype0-fused) or (warpgroup and (wg2 or wg4) and dtype0 and not tf32)" \
     >> "$OUT/sanitizer_conv.log" 2>&1
   echo "racecheck rc=$?" >> "$OUT/sanitizer_conv.log"
   # the fused input gradient: odd shapes, column tiles, runs of rows over

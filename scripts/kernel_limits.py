@@ -5,8 +5,9 @@ issue and memory figures and the top stall reasons, one launch each.
         [--layout nchw] [--padding 0]
 
 Each config is dtype:algorithm:kernel with kernel "forward" (conv2d_kernel)
-or "wgrad" (conv2d_wgrad_kernel), run at the seed shape (conv 8->64 3x3 on
-128x8x128x128) by ``wgrad_probe.py``'s child under ``ncu`` (which must be on
+or "wgrad" (conv2d_wgrad_kernel; on compute capability 9.0 the seed shape
+takes its warpgroup version, conv2d_wgrad_kernel_wg), run at the seed shape
+(conv 8->64 3x3 on 128x8x128x128) by ``wgrad_probe.py``'s child under ``ncu`` (which must be on
 PATH; it locks the clocks). Per config one row: duration, issue slots busy,
 DRAM throughput, achieved and theoretical occupancy, registers per thread,
 shared memory per block, and the stall reasons with the most cycles per

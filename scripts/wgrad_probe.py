@@ -21,6 +21,9 @@ for copies of it with parts of the memory traffic taken out:
 
 The gaps bound what hiding those loads behind the MMAs can gain; what is left
 is the kernel's instruction-bound part (forming dz, splitting, the MMA loop).
+On compute capability 9.0 the seed shape runs ``conv2d_wgrad_kernel_wg``
+(warpgroup MMAs; the regex takes it), which forms dz from copied rows: the
+"no dy" edits do not reach it there, so use ``--variants kernel``.
 --forward adds the forward kernel (``conv2d_kernel``, same shape) for this
 version and the bases; --only-forward times that alone. Rows repeat
 ``--repeats`` times, variants interleaved.

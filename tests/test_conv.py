@@ -68,14 +68,19 @@ def compiled(arch: int, source: str = "forward"):
 @pytest.mark.parametrize("source", list(SOURCES))
 @pytest.mark.parametrize("arch", ["80", "90", "90a", "100", "120"])
 def test_fused_kernel_ptx(arch, source):
-    """Tensor-core TF32 MMAs (the forward's warpgroup MMAs on sm_90a, mma.sync
-    elsewhere), no flushing arithmetic, no local memory, and the parameter
-    block the host packs; ptxas reports no spills, and serializes no warpgroup
-    MMAs (it does, with a warning, where it cannot prove them safe)."""
+    """Tensor-core TF32 MMAs (on sm_90a the forward's warpgroup MMAs and the
+    weight gradient's beside its mma.sync kernels; mma.sync elsewhere), no
+    flushing arithmetic, no local memory, and the parameter block the host
+    packs; ptxas reports no spills, and serializes no warpgroup MMAs (it
+    does, with a warning, where it cannot prove them safe)."""
     ptx, log = compiled(arch, source)
-    wgmma = arch == "90a" and source == "forward"
-    assert ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in ptx) != wgmma
-    assert ("wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32" in ptx) == wgmma
+    sm90a = arch == "90a"
+    mma_sync = "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in ptx
+    assert mma_sync != (sm90a and source == "forward")
+    wgmma = {"forward": "m64n64k8", "wgrad": "m64n24k8"}
+    for src, shape in wgmma.items():
+        has = f"wgmma.mma_async.sync.aligned.{shape}.f32.tf32.tf32" in ptx
+        assert has == (sm90a and source == src), shape
     assert "serialized" not in log, log
     assert re.search(r"and\.b32\s+%r\d+, %r\d+, -8192;", ptx)  # to_tf32's rounding mask
     assert ".ftz" not in ptx

@@ -360,6 +360,103 @@ def test_bulk_copy_path_accuracy_and_bits(case, dtype, algorithm):
         testing.assert_bits_equal(a, e)
 
 
+# Shapes the sm_90a kernel on warpgroup MMAs takes (3 x 3, stride 1, one-row
+# tiles): the seed's 126-wide rows, padding 1 and 2, 3 and 7 channels per
+# chunk (19 input channels: 7 + 7 + 5), one input channel, 80 output
+# channels (a second column tile of 16), three column tiles (262 = 128 + 128
+# + 6), a one-row output, odd widths (131, 99: dy by plain loads only), more
+# tiles than the device runs blocks at once (runs across images).
+WG_CASES = [
+    ((2, 8, 16, 128), (64, 8, 3, 3), 1, 0, 1),
+    ((3, 3, 9, 100), (10, 3, 3, 3), 1, 1, 1),
+    ((1, 19, 5, 260), (80, 19, 3, 3), 1, 2, 1),
+    ((2, 1, 3, 67), (1, 1, 3, 3), 1, 0, 1),
+    ((4, 5, 40, 131), (33, 5, 3, 3), 1, 1, 1),
+    ((20, 6, 66, 130), (33, 6, 3, 3), 1, 0, 1),
+    ((2, 16, 7, 97), (64, 16, 3, 3), 1, 2, 1),
+]
+
+
+def test_warpgroup_kernel_takes_3x3_unit_stride_one_row_tiles():
+    """wgrad_wgmma: WG_CASES on compute capability 9.0 only (sm_90a), NCHW
+    only; not stride 2, dilation 2, 5 x 5 filters or two rows per tile. Its
+    shared memory leaves 2 blocks per SM with three passes, 3 with one and 4
+    for 16-bit inputs (228 KiB, 1 KiB reserved per block)."""
+    for xs, ws, stride, padding, dilation in WG_CASES:
+        g = _conv.geometry("f", xs, ws, stride, padding, dilation)
+        for n_passes in (1, 3):
+            t = _conv.wgrad_tiling(g, n_passes)
+            assert _conv.wgrad_wgmma(g, t, False, 90), xs
+            assert not any(_conv.wgrad_wgmma(g, t, False, sm) for sm in (80, 89, 100, 120))
+            assert not _conv.wgrad_wgmma(g, t, True, 90)
+    five = ((2, 4, 20, 140), (8, 4, 5, 5), 1, 2, 1)
+    for xs, ws, stride, padding, dilation in (*BULK_CASES[4:7], five):
+        g = _conv.geometry("f", xs, ws, stride, padding, dilation)
+        assert not _conv.wgrad_wgmma(g, _conv.wgrad_tiling(g, 3), False, 90), xs
+    for dtype, n_passes, blocks in (("float32", 3, 2), ("float32", 1, 3), ("float16", 1, 4)):
+        smem = _conv.wgrad_wg_smem(dtype, n_passes)
+        assert blocks * (smem + 1024) <= 228 * 1024 < (blocks + 1) * (smem + 1024)
+
+
+@gpu
+@pytest.mark.parametrize("dtype, algorithm", FUSED_KINDS)
+@pytest.mark.parametrize("case", range(len(WG_CASES)), ids=[f"wg{i}" for i in range(7)])
+def test_warpgroup_kernel_accuracy_and_the_same_bits_every_way(case, dtype, algorithm, monkeypatch):
+    """On compute capability 9.0 the weight gradient of WG_CASES runs on
+    warpgroup MMAs: within the float64 bound, and the same bits whether dy
+    comes by tensor copies, by bulk copies per line (no tensor maps) or by
+    plain loads (dy moved off 16-byte alignment)."""
+    xs, ws, stride, padding, dilation = WG_CASES[case]
+    tf32 = algorithm == "fused_tf32"
+    x, w, b, mask, spd, gy, dz = block_inputs(
+        xs, ws, stride, padding, dilation, dtype, algorithm, False, 700 + case, 800 + case
+    )
+    g = _conv.geometry("f", xs, ws, *spd)
+    name, precision = _impl.DTYPE_NAMES[dtype], "tf32" if tf32 else "fp32"
+    plan = _conv.wgrad_plan(x.get_device(), name, precision, False, g)
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("warpgroup MMAs on compute capability 9.0 only")
+    assert plan.wg_smem == _conv.wgrad_wg_smem(name, plan.n_passes)
+    args = (list(w.shape), True, DIVISOR, SLOPE, *spd, tf32)
+    gw, gb = conv.fused_wgrad(x, gy, mask, *args)
+    for ours, (ref, tol) in zip((gw, gb), wgrad_bound(x, dz, w.shape, spd, dtype, tf32)):
+        assert_within(ours, ref, tol)
+    buf = torch.full((gy.numel() + 1,), float("nan"), device="cuda", dtype=dtype)
+    moved = buf[1:].view(gy.shape)
+    moved.copy_(gy)
+    for a, e in zip(conv.fused_wgrad(x, moved, mask, *args), (gw, gb)):
+        testing.assert_bits_equal(a, e)
+    monkeypatch.setattr(_conv, "_wgrad_plans", {})
+    monkeypatch.setattr(_conv._tensormap, "available", lambda: False)
+    assert _conv.wgrad_plan(x.get_device(), name, precision, False, g).dy_map is None
+    for a, e in zip(conv.fused_wgrad(x, gy, mask, *args), (gw, gb)):
+        testing.assert_bits_equal(a, e)
+
+
+@gpu
+@pytest.mark.parametrize("algorithm", ["fused", "fused_tf32"])
+def test_warpgroup_kernel_non_finite_values_as_in_the_reference(algorithm):
+    """The warpgroup kernel (98-wide rows: 30 positions of the tile past the
+    edge, whose operands are zeroed) with an inf in x and a NaN in dy: NaN
+    and inf where float64 has them, the finite values within the bound."""
+    x, w, b = _xwb((2, 3, 21, 100), (70, 3, 3, 3), "cuda")
+    x[0, 1, 5, 40] = float("inf")
+    x[1, 2, 7, 99] = float("-inf")  # read by columns 97 (s = 2) and 98 (past the edge, s = 1)
+    tf32 = algorithm == "fused_tf32"
+    y, mask, spd = _forward(x, w, b, 1, 0, 1, tf32)
+    gy = torch.randn_like(y)
+    gy[1, 7, 3, 5] = float("nan")
+    dz = _library.backward_op(gy, mask, "div_leaky_relu", SLOPE, DIVISOR, False)
+    gw, gb = conv.fused_wgrad(x, gy, mask, list(w.shape), True, DIVISOR, SLOPE, *spd, tf32)
+    (rw, tol_w), (rb, _) = wgrad_bound(x, dz, w.shape, spd, torch.float32, tf32)
+    assert rw.isinf().any() and rw.isnan().any()
+    for ours, ref in ((gw, rw), (gb, rb)):
+        assert torch.equal(ours.isnan(), ref.isnan()) and torch.equal(ours.isinf(), ref.isinf())
+    assert torch.equal(gw.isinf() & (gw > 0), rw.isinf() & (rw > 0))  # the same signs
+    finite = rw.isfinite()
+    assert ((gw.double() - rw).abs()[finite] <= tol_w[finite]).all()
+
+
 @gpu
 @pytest.mark.parametrize("cl", [False, True], ids=["nchw", "nhwc"])
 @pytest.mark.parametrize("algorithm", ["fused", "fused_tf32"])
