@@ -146,9 +146,45 @@ def pair(value, name: str, fname: str, least: int) -> tuple[int, int]:
     return int(items[0]), int(items[1])
 
 
+_geometries: dict[tuple, Geometry] = {}
+
+
+def _plain(value):
+    """``value`` as part of a geometry's cache key: an int or a pair of ints
+    (of type int exactly: True must not pass for 1), else None (not cached)."""
+    if type(value) is int:
+        return value
+    if type(value) in (tuple, list) and len(value) == 2:
+        if type(value[0]) is int and type(value[1]) is int:
+            return (value[0], value[1])
+    return None
+
+
 def geometry(fname: str, x_shape, w_shape, stride=1, padding=0, dilation=1) -> Geometry:
     """Check shapes and hyper-parameters as ``F.conv2d`` would (groups = 1) and
-    work out the output size; ValueError names what is wrong."""
+    work out the output size; ValueError names what is wrong. Kept per set of
+    arguments (a training step asks four times): only what passed the checks
+    is kept, and symbolic sizes (torch.compile) are never kept."""
+    parts = (_plain(stride), _plain(padding), _plain(dilation))
+    key = None
+    if None not in parts:
+        key = (tuple(x_shape), tuple(w_shape), *parts)
+        try:
+            g = _geometries.get(key)
+        except TypeError:  # unhashable (symbolic) sizes
+            g = key = None
+        if g is not None:
+            return g
+    g = _geometry(fname, x_shape, w_shape, stride, padding, dilation)
+    if key is not None and all(type(v) is int for v in key[0] + key[1]):
+        if len(_geometries) >= 256:
+            _geometries.clear()
+        _geometries[key] = g
+    return g
+
+
+def _geometry(fname: str, x_shape, w_shape, stride, padding, dilation) -> Geometry:
+    """geometry(), uncached."""
     if len(x_shape) != 4:
         raise ValueError(f"{fname}: input must be 4-D (N, C, H, W), got shape {tuple(x_shape)}")
     if len(w_shape) != 4:
@@ -788,7 +824,10 @@ def wgrad_plan(device: int, dtype: str, precision: str, channels_last: bool, g: 
     return plan
 
 
+# conv2d_wgrad_finish: a block of 8 warps per 32 outputs (kFinishWarps), the
+# warps splitting the partial sums.
 FINISH_THREADS = 256
+FINISH_OUTPUTS = 32
 
 
 def launch_wgrad(
@@ -842,7 +881,7 @@ def launch_wgrad(
             argv = ctypes.addressof(both)
         _launch.run(main.ptr, main.ctx, plan.grid, THREADS, stream, argv, smem)
     outputs = g.cout * (g.cin * g.kh * g.kw + (1 if gb else 0))
-    grid = (math.ceil(outputs / FINISH_THREADS), 1)
+    grid = (math.ceil(outputs / FINISH_OUTPUTS), 1)
     _launch.run(ks.finish.ptr, ks.finish.ctx, grid, FINISH_THREADS, stream, s.argv_ptr)
 
 

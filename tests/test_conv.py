@@ -152,6 +152,23 @@ def test_geometry_errors_name_the_value(xs, ws, kw, match):
         _conv.geometry("f", xs, ws, **kw)
 
 
+def test_geometry_kept_per_arguments_still_checks_each_call():
+    """geometry() keeps what passed its checks: the same object for the same
+    arguments, a fresh one where they differ, and every bad value still
+    raises after a good one was kept (True is not the stride 1; a pair as a
+    list is the tuple's)."""
+    xs, ws = (2, 3, 9, 9), (5, 3, 3, 3)
+    g = _conv.geometry("f", xs, ws, 1, (1, 1), 1)
+    assert _conv.geometry("f", torch.Size(xs), ws, 1, (1, 1), 1) is g
+    assert _conv.geometry("f", xs, ws, [1, 1], [1, 1], 1) == g
+    assert _conv.geometry("f", xs, ws, 1, 0, 1) != g
+    for kw, match in ((dict(stride=True), "stride=True"), (dict(padding=(-1, 1)), "padding")):
+        with pytest.raises(ValueError, match=re.escape(match)):
+            _conv.geometry("f", xs, ws, **{"stride": 1, "padding": (1, 1), **kw})
+    with pytest.raises(ValueError, match="groups other than 1"):
+        _conv.geometry("f", (2, 4, 9, 9), ws, 1, (1, 1), 1)
+
+
 def test_fits_guards_32_bit_offsets():
     g = _conv.geometry("f", (1, 2**16, 2**8, 2**8), (1, 2**16, 1, 1))
     assert not _conv.fits(g, 3)
