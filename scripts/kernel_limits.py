@@ -2,13 +2,14 @@
 issue and memory figures and the top stall reasons, one launch each.
 
     PYTHONPATH=. python scripts/kernel_limits.py [--configs float32:fused_tf32:forward ...]
-        [--layout nchw] [--padding 0]
+        [--layout nchw] [--padding 0] [--boost]
 
 Each config is dtype:algorithm:kernel with kernel "forward" (conv2d_kernel)
 or "wgrad" (conv2d_wgrad_kernel; on compute capability 9.0 the seed shape
 takes its warpgroup version, conv2d_wgrad_kernel_wg), run at the seed shape
 (conv 8->64 3x3 on 128x8x128x128) by ``wgrad_probe.py``'s child under ``ncu`` (which must be on
-PATH; it locks the clocks). Per config one row: duration, issue slots busy,
+PATH; it locks the clocks near base unless --boost leaves them to the GPU, as
+in training). Per config one row: duration, issue slots busy,
 DRAM throughput, achieved and theoretical occupancy, registers per thread,
 shared memory per block, and the stall reasons with the most cycles per
 issued instruction ("selected", the issuing cycle itself, left out).
@@ -55,11 +56,13 @@ def ncu_csv(report: Path, page: str) -> list[list[str]]:
     return list(csv.reader(io.StringIO(out)))
 
 
-def profile(config: str, layout: str, padding: int, tmp: Path) -> dict[str, str]:
-    """One config's figures (column -> text) from one profiled launch."""
+def profile(config: str, layout: str, padding: int, tmp: Path, boost: bool) -> dict[str, str]:
+    """One config's figures (column -> text) from one profiled launch (the
+    clocks locked near base, or left to the GPU: ``boost``)."""
     dtype, algorithm, what = config.split(":")
     report = tmp / config.replace(":", "_")
-    cmd = ["ncu", "-k", f"regex:{KERNELS[what]}", "--launch-skip", "1", "--launch-count", "1"]
+    cmd = ["ncu", "-k", f"regex:{KERNELS[what]}", "--launch-skip", "1", "--launch-count", "1",
+           "--clock-control", "none" if boost else "base"]  # fmt: skip
     for s in SECTIONS:
         cmd += ["--section", s]
     cmd += ["-o", str(report), sys.executable, str(PROBE), "--child", dtype, layout, algorithm,
@@ -94,10 +97,11 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS))
     ap.add_argument("--layout", default="nchw", choices=["nchw", "nhwc"])
     ap.add_argument("--padding", type=int, default=0, help="the convolution's (seed: 0)")
+    ap.add_argument("--boost", action="store_true", help="leave the clocks to the GPU")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         for config in args.configs:
-            got = profile(config, args.layout, args.padding, Path(tmp))
+            got = profile(config, args.layout, args.padding, Path(tmp), args.boost)
             cells = "; ".join(f"{c} {got[c]}" for c in (*COLUMNS.values(), "stalls") if c in got)
             print(f"{config} ({args.layout}): {cells}", flush=True)
 

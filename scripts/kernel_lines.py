@@ -2,10 +2,11 @@
 function and by source line: Nsight Compute's source counters of one launch.
 
     PYTHONPATH=. python scripts/kernel_lines.py [--kernel forward|wgrad]
-        [--dtype float32] [--algorithm fused] [--padding 0] [--lines 25]
+        [--dtype float32] [--algorithm fused] [--padding 0] [--lines 25] [--boost]
 
 Runs the seed shape (conv 8->64 3x3 on 128x8x128x128, NCHW) in
-wgrad_probe.py's child under ``ncu`` (on PATH; it locks the clocks), its
+wgrad_probe.py's child under ``ncu`` (on PATH; it locks the clocks near
+base unless --boost: the GPU's own clocks, as in training), its
 modules compiled with ``-lineinfo``, exports the source page (CUDA lines
 with their SASS) and prints, per device function (the one whose definition a line falls in, in
 the source CuPy compiled) and for the lines with the most stall samples:
@@ -121,6 +122,7 @@ def main() -> None:
     ap.add_argument("--algorithm", default="fused", choices=["fused", "fused_tf32"])
     ap.add_argument("--padding", type=int, default=0, help="the convolution's (seed: 0)")
     ap.add_argument("--lines", type=int, default=25, help="how many source lines to list")
+    ap.add_argument("--boost", action="store_true", help="leave the clocks to the GPU")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -133,6 +135,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         rep = Path(tmp) / "k"
         cmd = ["ncu", "-k", f"regex:{regex}", "--launch-skip", "1", "--launch-count", "1",
+               "--clock-control", "none" if args.boost else "base",
                "--section", "SourceCounters", "--section", "WarpStateStats",
                "--import-source", "no", "-o", str(rep), sys.executable, __file__, "--child",
                "--kernel", args.kernel, "--dtype", args.dtype, "--algorithm", args.algorithm,
