@@ -3,7 +3,8 @@
 Where x needs no gradient (a first layer, the seed model), the backward of
 ``conv2d_div_leaky_relu``'s fused algorithms can be one pass over dy, the
 mask and x (``conv.FUSED_WGRAD``: by default where one channel chunk holds
-the whole filter depth, where it measures faster).
+the whole filter depth, and on compute capability 9.0 where up to three or
+four do, where it measures faster).
 It cannot match cuDNN's summation order, so it is held to a stated accuracy
 against float64 (see ``wgrad_bound``) over the forward's 40 random shapes,
 both layouts and three dtypes; the same inputs give the same bits.
@@ -90,6 +91,30 @@ def test_fused_weight_gradient_default_where_it_measures_faster(
     assert conv._wgrad_fits(x, w, [1, 1], [1, 1], [1, 1], False) is expected
     g = _conv.geometry("f", x.shape, w.shape, 1, 1)
     assert _conv.wgrad_chunks(g, 3) == (1 if cin <= 8 else 2 if cin < 64 else 8)
+
+
+@pytest.mark.parametrize(
+    "chunks, n_passes, float32, cl, sm, expected",
+    [
+        (1, 3, True, False, 80, True),
+        (2, 3, True, False, 80, False),
+        (1, 1, False, True, 90, False),  # 16-bit channels-last: cuDNN's
+        (2, 3, True, True, 90, False),
+        (3, 3, True, False, 90, True),
+        (4, 3, True, False, 90, False),
+        (4, 1, True, False, 90, True),
+        (4, 1, False, False, 90, True),
+        (5, 1, False, False, 90, False),
+        (8, 3, True, False, 90, False),
+    ],
+)
+def test_fused_weight_gradient_default_by_chunks_and_device(
+    chunks, n_passes, float32, cl, sm, expected
+):
+    """The default's rule: one chunk (NCHW, or float32 channels-last); on
+    compute capability 9.0, NCHW, up to three chunks with three passes and
+    four with one (where they measured faster on an H200)."""
+    assert conv._wgrad_default(chunks, n_passes, float32, cl, sm) is expected
 
 
 # ---- GPU ----

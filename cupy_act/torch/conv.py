@@ -310,19 +310,38 @@ def _wgrad_fits(x: Tensor, w: Tensor, stride, padding, dilation, tf32: bool) -> 
         return False
     if FUSED_WGRAD is True:
         return True
-    one_chunk = _conv.wgrad_chunks(g, n_passes) == 1
-    return one_chunk and (x.dtype == torch.float32 or not _impl.is_channels_last(x))
+    sm = _conv._sm(x.device.index) if x.is_cuda else 0
+    chunks = _conv.wgrad_chunks(g, n_passes)
+    return _wgrad_default(chunks, n_passes, x.dtype == torch.float32, _impl.is_channels_last(x), sm)
+
+
+def _wgrad_default(chunks: int, n_passes: int, float32: bool, channels_last: bool, sm: int) -> bool:
+    """FUSED_WGRAD None: whether the kernel takes a geometry whose filter depth
+    needs ``chunks`` channel chunks (each reads dy and the mask once more), on
+    a device of compute capability ``sm`` (9.0: 90; 0 for none)."""
+    if channels_last:
+        return chunks == 1 and float32
+    if sm == 90:
+        return chunks <= (4 if n_passes == 1 else 3)
+    return chunks == 1
 
 
 # The fused weight gradient (cuda/conv2d_wgrad.cu); where x needs a gradient
 # too, that one still comes from dz (materialized) and cuDNN's data gradient.
 # None (the default): where it measures faster than the mask
-# backward + cuDNN's weight gradient, that is where one chunk of input
-# channels holds the whole filter depth (cin * kh * kw <= 72, so dy and the
-# mask are read once), except 16-bit channels-last (cuDNN's fastest case).
+# backward + cuDNN's weight gradient (_wgrad_default), that is where one
+# chunk of input channels holds the whole filter depth (cin * kh * kw <= 72,
+# so dy and the mask are read once), except 16-bit channels-last (cuDNN's
+# fastest case); on compute capability 9.0 (dy by the copy engine, 3 x 3 at
+# stride 1 on warpgroup MMAs), NCHW, up to three chunks, four with one pass
+# (measured on float32; 16-bit types take the same one-pass kernel).
 # H100, seed shape, backward alone: 0.60-0.63x (float32 NCHW), 0.68-0.82x
 # (float32 NHWC), 0.73-0.78x (16-bit NCHW); 16-bit NHWC 1.45-1.48x and
 # several chunks 0.9-1.7x (scripts/wgrad_bench.py, docs/performance-notes.md).
+# H200, backward GPU time against the mask backward + cuDNN's weight gradient
+# (scripts/conv_bench.py): 2 chunks (16to32) 0.71x "fused", 0.54x
+# "fused_tf32"; 3 chunks (stem) 0.70x / 0.45x; 4 chunks (5x5) 1.09x / 0.69x;
+# 8 chunks (64to64) 1.70x / 1.38x.
 # True: wherever the kernel fits. False: never.
 FUSED_WGRAD: bool | None = None
 
