@@ -56,7 +56,9 @@ def ncu_csv(report: Path, page: str) -> list[list[str]]:
     return list(csv.reader(io.StringIO(out)))
 
 
-def profile(config: str, layout: str, padding: int, tmp: Path, boost: bool) -> dict[str, str]:
+def profile(
+    config: str, layout: str, padding: int, tmp: Path, boost: bool = False
+) -> dict[str, str]:
     """One config's figures (column -> text) from one profiled launch (the
     clocks locked near base, or left to the GPU: ``boost``)."""
     dtype, algorithm, what = config.split(":")

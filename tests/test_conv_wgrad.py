@@ -753,9 +753,53 @@ def test_kernel_limits_reads_ncu_exports(tmp_path, monkeypatch):
     assert got["duration"] == "385.15 us" and got["DRAM"] == "33.85 %"
     assert got["registers"] == "144 register/thread"
     assert got["stalls"] == "wait 1.55, barrier 0.60"
-    (cmd,) = calls
-    assert cmd[:3] == ["ncu", "-k", "regex:conv2d_kernel"]
-    assert cmd[-5:] == ["float32", "nchw", "fused_tf32", "forward", "0"]
+    kl.profile("float32:fused_tf32:forward", "nchw", 0, tmp_path, boost=True)
+    locked, boost = calls
+    assert locked[:3] == ["ncu", "-k", "regex:conv2d_kernel"]
+    assert locked[-5:] == ["float32", "nchw", "fused_tf32", "forward", "0"]
+    clocks = locked.index("--clock-control")
+    assert locked[clocks + 1] == "base" and boost[clocks + 1] == "none"
+
+
+def test_kernel_lines_reads_the_source_page():
+    """scripts/kernel_lines.py: the source page's CUDA lines (its SASS rows
+    skipped) by their columns' names, each line counted in the device
+    function whose definition it falls in (a kernel's __launch_bounds__ is
+    not its name)."""
+    path = ROOT / "scripts" / "kernel_lines.py"
+    spec = importlib.util.spec_from_file_location("kernel_lines", path)
+    kl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kl)
+    head = ["Line No", "Source", "Address", "Source", "Warp Stall Sampling (All Samples)",
+            "Warp Stall Sampling (Not-issued Samples)", "# Samples", "Instructions Executed",
+            "stall_wait", "stall_short_sb", "stall_wait (Not Issued)"]  # fmt: skip
+    page = "\n".join(
+        ",".join(f'"{c}"' for c in row)
+        for row in (
+            ["File Path", "/tmp/x.cu"],
+            ["Function Name", "k"],
+            head,
+            ["3", "x", "-", "-", "10", "9", "10", "1,000", "4", "6", "1"],
+            ["", "", "0x10", "FMUL R1, R2, R3", "3", "3", "3", "500", "1", "2", "0"],
+            ["7", "y", "-", "-", "30", "30", "30", "3,000", "25", "5", "9"],
+        )
+    )
+    rows = kl.source_rows(page)
+    assert rows == [
+        {"line": 3, "samples": 10, "instr": 1000, "reasons": {"wait": 4, "short_sb": 6}},
+        {"line": 7, "samples": 30, "instr": 3000, "reasons": {"wait": 25, "short_sb": 5}},
+    ]
+    source = [
+        "template <int N>",
+        "__device__ __forceinline__ float helper(float a) {",
+        "  return a;",
+        "}",
+        "__global__ void __launch_bounds__(128, 3)",
+        "    my_kernel(const int p) {",
+        "  helper(1.f);",
+    ]
+    starts, names = kl.functions(source)
+    assert (starts, names) == ([2, 5], ["helper", "my_kernel"])
 
 
 @gpu
