@@ -245,6 +245,58 @@ __device__ __forceinline__ void store_n(T* dst, const T (&e)[N], int valid) {
   }
 }
 
+// How a lane stores the first `valid` of 4 consecutive elements, the same
+// for all the channels it holds where their planes lie a multiple of the
+// vector apart: one 4-element vector (`all`), or 2-element vectors for the
+// first pair (`lo`) and the second (`hi`); `rest` where some element would be
+// left for a single store. Decided once per tile; the vectors are predicated
+// stores rather than branches: with store_n's, the lane at the output's right
+// edge (fewer than 4 values) split its warp at every channel and held the
+// block's next barrier back (scripts/forward_phases.py: the last warp's
+// epilogue 1200-1650 cycles per tile longer than the others', at the seed
+// shape's 126 columns).
+struct Run4 {
+  bool all, lo, hi, rest;  // rest: elements that need single stores
+};
+
+template <typename T>
+__device__ __forceinline__ Run4 run4(const T* dst, int valid, long long plane) {
+  const u64 at = (u64)dst;
+  Run4 r;
+  r.all = valid == 4 && (plane & 3) == 0 && (at & (4 * sizeof(T) - 1)) == 0;
+  const bool pairs = !r.all && (plane & 1) == 0 && (at & (2 * sizeof(T) - 1)) == 0;
+  r.lo = pairs && valid >= 2;
+  r.hi = pairs && valid == 4;
+  r.rest = (r.all || r.hi ? 4 : r.lo ? 2 : 0) < valid;
+  return r;
+}
+
+// The vectors of r (not its rest), where ok.
+template <typename T>
+__device__ __forceinline__ void store_vectors(T* dst, const T (&e)[4], const Run4& r, bool ok) {
+  union {
+    T e[4];
+    u32 w[sizeof(T)];
+  } out;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) out.e[j] = e[j];
+  if (sizeof(T) == 4) {
+    if (ok && r.all)
+      *reinterpret_cast<uint4*>(dst) = make_uint4(out.w[0], out.w[1], out.w[2], out.w[3]);
+    if (ok && r.lo) *reinterpret_cast<uint2*>(dst) = make_uint2(out.w[0], out.w[1]);
+    if (ok && r.hi) *reinterpret_cast<uint2*>(dst + 2) = make_uint2(out.w[2], out.w[3]);
+  } else {
+    if (ok && r.all) *reinterpret_cast<uint2*>(dst) = make_uint2(out.w[0], out.w[1]);
+    if (ok && r.lo) *reinterpret_cast<u32*>(dst) = out.w[0];
+    if (ok && r.hi) *reinterpret_cast<u32*>(dst + 2) = out.w[1];
+  }
+}
+
+template <bool V>
+struct Flag {
+  static constexpr bool value = V;
+};
+
 // One output element from its convolution sum a: rounded to T (the
 // convolution's output), plus the bias b (if `has_bias`), through op.forward.
 template <typename T, typename Op>
@@ -485,26 +537,40 @@ __device__ __forceinline__ void epilogue_wgmma_nchw(const float (&acc)[2][32], c
   // than a product per store)
   T* yc = y + ((long long)at.n * p.cout + tile_n + 2 * t) * out_plane +
           (long long)(at.oh0 + row) * p.ow + at.ow0 + col;
+  const Run4 how = run4(yc, valid, out_plane);
   u32 word[2] = {0u, 0u};
+  auto channels = [&](auto vectors) {
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
+    for (int j = 0; j < 8; ++j) {
 #pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      const bool c_ok = kAllChannels || 8 * j + s < c_left;
-      const T b = bias_s<T>(tw)[2 * t + 8 * j + s];
-      T v[4];
-      u32 bits = 0;
+      for (int s = 0; s < 2; ++s) {
+        const bool c_ok = kAllChannels || 8 * j + s < c_left;
+        const T b = bias_s<T>(tw)[2 * t + 8 * j + s];
+        T v[4];
+        u32 bits = 0;
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        bool bit;
-        v[q] = epilogue_value(acc[q >> 1][4 * j + 2 * (q & 1) + s], op, has_bias, b, alpha, bit);
-        bits |= (u32)bit << q;
+        for (int q = 0; q < 4; ++q) {
+          bool bit;
+          v[q] = epilogue_value(acc[q >> 1][4 * j + 2 * (q & 1) + s], op, has_bias, b, alpha, bit);
+          bits |= (u32)bit << q;
+        }
+        if (decltype(vectors)::value)
+          store_vectors(yc, v, how, c_ok);
+        else
+          store_n(yc, v, c_ok ? valid : 0);
+        yc += s == 0 ? out_plane : 7 * out_plane;
+        word[j >> 2] |= bits << (4 * (2 * (j & 3) + s));
       }
-      store_n(yc, v, c_ok ? valid : 0);
-      yc += s == 0 ? out_plane : 7 * out_plane;
-      word[j >> 2] |= bits << (4 * (2 * (j & 3) + s));
     }
-  }
+  };
+  // Where every lane's runs go out as vectors (the seed shape: 16-byte ones,
+  // or 8-byte ones on rows that start 8 bytes into a 16-byte unit, and at the
+  // right edge), predicated vector stores with no branch; else (odd widths,
+  // unaligned outputs) store_n's branches. A warp-wide choice, once per tile.
+  if (__any_sync(0xffffffffu, how.rest))
+    channels(Flag<false>());
+  else
+    channels(Flag<true>());
   if (p.mask) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {

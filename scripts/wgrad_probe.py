@@ -3,10 +3,11 @@
     PYTHONPATH=. python scripts/wgrad_probe.py [--dtypes float32 float16]
         [--layouts nchw nhwc] [--algorithm fused] [--repeats 2]
         [--variants kernel "no dy" "no dy, x"] [--base DIR ...] [--forward | --only-forward]
-        [--padding 0]
+        [--padding 0] [--timing ncu|events]
 
 Nsight Compute's duration (``ncu`` must be on PATH; it locks the clocks, so
-the figures compare across variants on a noisy host) of one launch of
+the figures compare across variants on a noisy host; ``--timing events``:
+CUDA events at the GPU's own clocks instead, which is what users see) of one launch of
 ``conv2d_wgrad_kernel`` at the seed shape (conv 8->64 3x3 on 128x8x128x128;
 "fused": 3xTF32 for float32, "fused_tf32": one pass), for this version and
 for copies of it with parts of the memory traffic taken out:
@@ -86,8 +87,12 @@ def make_copy(edits: list[tuple[str, str]], where: Path) -> Path:
     return where
 
 
-def child(dtype_name: str, layout: str, algorithm: str, what: str, padding: str) -> None:
-    """Run the seed shape's weight gradient (or forward) three times (ncu times the second)."""
+def child(dtype_name: str, layout: str, algorithm: str, what: str, padding: str,
+          timing: str = "ncu") -> None:  # fmt: skip
+    """Run the seed shape's weight gradient (or forward) three times (ncu times
+    the second); with ``timing`` "events", print its median CUDA-event time
+    instead (EVENT_TIMINGS timings of EVENT_CALLS back-to-back calls each, at
+    the GPU's own clocks)."""
     import torch
 
     import cupy_act.torch as ct
@@ -103,12 +108,39 @@ def child(dtype_name: str, layout: str, algorithm: str, what: str, padding: str)
     y = ct.conv2d_div_leaky_relu(x, w, b, 2.0, 0.01, 1, pad, algorithm=algorithm)
     gy = torch.randn_like(y)
     ct.conv.FUSED_WGRAD = True
-    for _ in range(3):
+
+    def call():
         if what == "forward":
             ct.conv2d_div_leaky_relu(x, w, b, 2.0, 0.01, 1, pad, algorithm=algorithm)
         else:
             torch.autograd.grad(y, (w, b), gy, retain_graph=True)
+
+    if timing == "events":
+        from cupy_act import testing
+
+        ms = testing.median_ms(call, iters=EVENT_TIMINGS, warmup=5, reps=EVENT_CALLS)
+        print(f"median_ms={ms:.5f}")
+        return
+    for _ in range(3):
+        call()
     torch.cuda.synchronize()
+
+
+# --timing events: per child, the median of this many timings of this many calls each
+EVENT_TIMINGS, EVENT_CALLS = 7, 10
+
+
+def events_us(pythonpath: Path, child_args: list[str]) -> float:
+    """The median time (us) of one call at the GPU's own clocks (CUDA events;
+    host work included, which back-to-back calls of these kernels hide)."""
+    cmd = [sys.executable, __file__, "--child", *child_args, "events"]
+    env = dict(os.environ, PYTHONPATH=str(pythonpath))
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    m = re.search(r"median_ms=([\d.]+)", out.stdout)
+    if m is None:
+        raise SystemExit(f"wgrad_probe: no time from the child:\n{out.stdout[-1000:]}"
+                         f"{out.stderr[-2000:]}")  # fmt: skip
+    return float(m.group(1)) * 1000.0
 
 
 def ncu_us(pythonpath: Path, kernel: str, child_args: list[str]) -> float:
@@ -136,9 +168,15 @@ def table(title: str, dirs: dict[str, Path], kernel: str, what: str, args) -> No
                     if name == "no dy, x" and layout == "nhwc":
                         continue  # the NHWC patch copy is the forward's (conv2d_tiles.cuh)
                     cargs = [dt, layout, args.algorithm, what, str(args.padding)]
-                    times[name].append(ncu_us(where, kernel, cargs))
+                    if args.timing == "events":
+                        times[name].append(events_us(where, cargs))
+                    else:
+                        times[name].append(ncu_us(where, kernel, cargs))
             cells = [f"{min(t):10.1f}" if t else f"{'-':>10s}" for t in times.values()]
             print(f"{dt:9s} {layout:6s} " + " ".join(cells), flush=True)
+            if args.timing == "events":  # every repeat: the spread is the noise
+                for name, t in times.items():
+                    print(f"    {name}: " + " ".join(f"{v:.1f}" for v in t))
 
 
 def main() -> None:
@@ -154,7 +192,10 @@ def main() -> None:
     ap.add_argument("--forward", action="store_true", help="also the forward kernel")
     ap.add_argument("--only-forward", action="store_true", help="the forward kernel alone")
     ap.add_argument("--padding", type=int, default=0, help="the convolution's (seed: 0)")
-    ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--timing", default="ncu", choices=["ncu", "events"],
+                    help="ncu: Nsight's duration, clocks locked near base; events: CUDA "
+                    "events at the GPU's own clocks, EVENT_CALLS calls per timing")  # fmt: skip
+    ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(*args.child)

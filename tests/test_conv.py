@@ -19,7 +19,7 @@ pytest.importorskip("cupy")
 import torch.nn.functional as F  # noqa: E402
 
 import cupy_act.torch as ct  # noqa: E402
-from cupy_act import _conv, mask_nbytes, testing  # noqa: E402
+from cupy_act import _conv, _source, mask_nbytes, testing  # noqa: E402
 from cupy_act.torch import _impl, conv  # noqa: E402
 
 gpu = pytest.mark.gpu
@@ -409,6 +409,29 @@ ODD_PATCH_CASES = [
     ((1, 8, 22, 78), (8, 8, 3, 1), (2, 3), 0, (3, 1)),
     ((1, 2, 56, 127), (8, 2, 6, 1), (1, 3), 0, (3, 2)),
 ]
+
+
+def test_host_sizes_mirror_the_kernels_constants():
+    """_conv's shared-memory sizes are conv2d_tiles.cuh's constexprs (evaluated
+    from the source here): a change on one side only would misplace the
+    kernel's parts (the mbarrier after the bias, the weights)."""
+    text = (_source.cuda_dir() / "conv2d_tiles.cuh").read_text()
+    consts: dict = {}
+    for name, expr in re.findall(r"constexpr int (k\w+) = ([^;]+);", text):
+        m = re.fullmatch(r"(.+) \? (.+) : (.+)", expr)
+        py = f"({m[2]}) if ({m[1]}) else ({m[3]})" if m else expr
+        consts[name] = eval(py, {}, dict(consts))
+    mirrors = {
+        "kConvThreads": _conv.THREADS,
+        "kBM": _conv.TILE_M,
+        "kBN": _conv.TILE_N,
+        "kEpilogueFloats": _conv.EPILOGUE_FLOATS,
+        "kAfterPatchWords": _conv.AFTER_PATCH_WORDS,
+        "kPatchPart": _conv.PATCH_PART,
+        "kWeightStride": _conv.WEIGHT_STRIDE,
+        "kWeightPart": _conv.WEIGHT_PART,
+    }
+    assert {k: consts[k] for k in mirrors} == mirrors
 
 
 def test_odd_patch_cases_have_odd_patches():

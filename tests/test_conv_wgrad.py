@@ -12,6 +12,7 @@ both layouts and three dtypes; the same inputs give the same bits.
 
 import ctypes
 import importlib.util
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -812,3 +813,54 @@ def test_wgrad_bench_script(tmp_path):
     keys = [(r["dtype"], r["layout"], r["algorithm"]) for r in out["rows"]]
     assert len(keys) == 6 and ("bfloat16", "nhwc", "fused") in keys
     assert all(r["chunks"] == 2 and r["default_ms"] > 0 and r["kernel_ms"] > 0 for r in out["rows"])
+
+
+def test_forward_phases_stamps_compile(tmp_path, monkeypatch):
+    """scripts/forward_phases.py: each edit finds its text in cuda/conv2d.cu
+    exactly once (else the script stops), and the stamped forward compiles
+    for sm_90a with the counters it reads back and a clock read per phase."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    from cupy_act import _source
+
+    path = ROOT / "scripts" / "forward_phases.py"
+    spec = importlib.util.spec_from_file_location("forward_phases", path)
+    fp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fp)
+    where = fp.make_copy(tmp_path)
+    monkeypatch.setattr(_source, "cuda_dir", lambda: where / "cuda")
+    text = _source.assembled_source.__wrapped__(_conv.SOURCE)
+    assert text.count(f"{fp._MARK}(") == len(fp.PHASES) + 1  # (and the macro's definition)
+    prog = nvrtc.createProgram(text, "phases.cu", (), ())
+    try:
+        nvrtc.addNameExpression(prog, "cupy_act::conv2d_kernel<float, 1, false>")
+        opts = ("--std=c++17", "-ftz=true", "--device-as-default-execution-space")
+        nvrtc.compileProgram(prog, (*opts, "-arch=compute_90a"))
+        ptx = nvrtc.getPTX(prog).decode()
+    finally:
+        nvrtc.destroyProgram(prog)
+    assert ".global .align 8 .b8 phase_cycles[" in ptx
+    assert ptx.count("%clock64") >= len(fp.PHASES) + 1
+
+
+def test_wgrad_probe_events_timing_reads_the_childs_median(monkeypatch):
+    """scripts/wgrad_probe.py --timing events: the child's median (ms) comes
+    back in microseconds; no median is a clear stop with the child's output."""
+    path = ROOT / "scripts" / "wgrad_probe.py"
+    spec = importlib.util.spec_from_file_location("wgrad_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    runs = []
+
+    def fake(cmd, **kw):
+        runs.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout=out, stderr="boom")
+
+    monkeypatch.setattr(probe.subprocess, "run", fake)
+    out = "median_ms=0.36125\n"
+    args = ["float32", "nchw", "fused", "forward", "0"]
+    assert probe.events_us(ROOT, args) == pytest.approx(361.25)
+    assert runs[0][-7:] == ["--child", *args, "events"]
+    out = "nothing\n"
+    with pytest.raises(SystemExit, match="boom"):
+        probe.events_us(ROOT, args)
