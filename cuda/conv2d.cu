@@ -2,6 +2,8 @@
 //
 //   conv2d_kernel<T, kPasses, kChannelsLast>
 //     y = leaky_relu((conv2d(x, w) + bias) / divisor, slope)    written once
+//   conv2d_kernel_tmap<T, kPasses>
+//     the same (NCHW, sm_90), the ring's new rows by tensor copies
 //
 // An implicit GEMM on tensor cores (TF32; on sm_90a warpgroup MMAs, wgmma.cuh,
 // elsewhere mma.sync m16n8k8, sm_80 and later):
@@ -50,8 +52,9 @@
 // (epilogue_wgmma_nchw / _nhwc): no trip through shared memory, so the patch
 // survives the tile, and one-row tiles keep it as a ring of rows (the next
 // output row copies only its sh new input rows, brought into a staging area of
-// shared memory by cp.async while the tile before runs, or prefetched into L2
-// where staging does not fit: stage_rows). With mma.sync the tile goes through
+// shared memory while the tile before runs, by one tensor copy
+// (conv2d_kernel_tmap) or cp.async, or prefetched into L2 where staging does
+// not fit: stage_rows). With mma.sync the tile goes through
 // shared memory so that each lane then holds 16 output elements of one line (a
 // channel's positions for NCHW, a position's channels for NHWC) in runs of 4
 // consecutive ones: four 16-byte shared loads, stores as wide as alignment
@@ -63,11 +66,12 @@
 // Mask: the format of elementwise.cu (bit i % 32 of word i / 32 is element i,
 // in the output's memory order). The buffer is zeroed before the launch.
 // The bits of one output row (NCHW) or position (NHWC) of the tile are
-// consecutive elements, held 16 per lane by a group of lanes: a word they
-// cover entirely is stored, the words at either end are OR-ed in atomically,
-// since a neighbour owns their other bits (put_mask_word).
+// consecutive elements, held 16 per lane by a group of lanes; each word goes
+// in by an atomic OR (the words at either end have bits a neighbour owns;
+// store_mask_word, put_mask_word).
 #include "conv2d_tiles.cuh"
 #include "wgmma.cuh"
+#include "copy_engine.cuh"
 #include "params.cuh"
 #include "activations.cuh"
 
@@ -99,10 +103,14 @@ __device__ __forceinline__ MaskLane mask_lane(int lane0, int stride, int first, 
 }
 
 // Every lane of the warp calls it (shuffles), with the tile word its group
-// left in it (tile_word4x4, tile_word2x8) and its MaskLane. A word the stretch covers entirely is
-// stored, the words at either end are OR-ed in atomically (a neighbouring
-// warp or block owns their other bits; the buffer starts zeroed, so zero
-// words are skipped).
+// left in it (tile_word4x4, tile_word2x8) and its MaskLane. Every word goes
+// in by an atomic OR (a reduction: nothing waits for it): the words at
+// either end because a neighbouring warp or block owns their other bits, the
+// ones the stretch covers entirely because the buffer starts zeroed and, on
+// an H200, reductions measured faster than stores there (the seed shape's
+// "fused_tf32" forward 360.6 -> 354.8 us; plain stores at both ends, with
+// the end word carried over to the next row, made it 10% slower). Zero
+// words are skipped.
 //
 // Output word k of the stretch [e, e + len) is (tile word k << sh) | (tile
 // word k - 1 >> (32 - sh)), sh = e % 32: store_mask_word takes those two
@@ -115,12 +123,8 @@ __device__ __forceinline__ void store_mask_word(u32* mask, u32 hi, u32 lo, int k
   u32* dst = mask + (e >> 5) + k;
   const u32 out = __funnelshift_l(lo, hi, sh);
   const int from = k == 0 ? sh : 0;
-  if (from == 0 && end >= 32) {
-    if (out != 0u) *dst = out;
-  } else {
-    const u32 part = out & (0xffffffffu >> (32 - min(end, 32))) & (0xffffffffu << from);
-    if (part != 0u) atomicOr(dst, part);
-  }
+  const u32 part = out & (0xffffffffu >> (32 - min(end, 32))) & (0xffffffffu << from);
+  if (part != 0u) atomicOr(dst, part);
 }
 
 __device__ __forceinline__ void put_mask_word(u32* mask, u32 word, const MaskLane& m, long long e,
@@ -436,18 +440,20 @@ __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
-// stage_rows' items split into the patch: logical rows l0 .. l0 + nr - 1 of
-// each channel into slots ring_slot(base, l), columns below PW.
+// The staged rows split into the patch: logical rows l0 .. l0 + nr - 1 of
+// each channel into slots ring_slot(base, l), columns below PW. Staged row
+// (c, l) starts at stage + (c nr + l) row_len: stage_rows' items (row_len
+// 4 groups) or a tensor copy's box (row_len a whole number of 16-byte units).
 template <typename T, int kPasses>
 __device__ __forceinline__ void unstage_rows(u32* patch, const T* stage, const ConvParams& p,
-                                             int l0, int nr, int base, int tid) {
+                                             int l0, int nr, int base, int row_len, int tid) {
   const int groups = (p.patch_w + 3) >> 2, rows = p.cc * nr;
   const int step_row = kConvThreads / groups, step_group = kConvThreads - step_row * groups;
   const u32 mr = div_magic(nr);
   for (int row = tid / groups, group = tid - row * groups; row < rows;) {
     const int c = div_by(row, nr, mr), l = l0 + row - c * nr;
     float v[4];
-    load4(stage + 4 * (row * groups + group), v);
+    load4(stage + row * row_len + 4 * group, v);
     u32* dst = patch + (c * p.patch_h + ring_slot(base, l, p.patch_h)) * p.patch_w;
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -713,12 +719,12 @@ constexpr int kOnePassBlocks = 3;
 constexpr int kOnePassBlocks = 4;
 #endif
 
-template <typename T, int kPasses, bool kChannelsLast>
-__global__ void __launch_bounds__(kConvThreads,
-                                  kPasses == 3 || (kWgmma && sizeof(T) == 4 && !kChannelsLast)
-                                      ? 3
-                                      : kOnePassBlocks) conv2d_kernel(const ConvParams p) {
+// The kernels' body; kTmap: the ring's new rows by one tensor copy of x_map
+// per tile where the staging area fits (else as without).
+template <typename T, int kPasses, bool kChannelsLast, bool kTmap>
+__device__ __forceinline__ void forward_tiles(const ConvParams& p, const TensorMap* x_map) {
   static_assert(kPasses == 1 || kPasses == 3, "one TF32 pass or the 3xTF32 split");
+  static_assert(!kTmap || !kChannelsLast, "the tensor copies bring NCHW rows");
   extern __shared__ __align__(16) float smem[];
   const T* x = static_cast<const T*>(p.x);
   const T* w = static_cast<const T*>(p.w);
@@ -826,6 +832,33 @@ __global__ void __launch_bounds__(kConvThreads,
   const bool stage_ok = ring && (p.w_in & 3) == 0 && (p.pw & 3) == 0 &&
                         ((u64)x & (4 * sizeof(T) - 1)) == 0 &&
                         (stage_at + stage_words <= region_alloc || w_used + stage_words <= w_alloc);
+  // With tensor copies (kTmap): one box of x_map per tile, cc channels x
+  // fresh_rows rows x tma_len columns (PW rounded up to whole 16-byte units)
+  // from (iw_base, ih, 0, n), zeros outside x, lands row after row at a
+  // 128-byte aligned address (the copy engine's requirement) in the same
+  // unused space, followed by its mbarrier (tma_bar); _conv.forward_tmap
+  // mirrors this placement.
+  constexpr int kUnit = 16 / sizeof(T);
+  const int tma_len = (p.patch_w + kUnit - 1) / kUnit * kUnit;
+  const u32 tma_bytes = p.cc * fresh_rows * tma_len * sizeof(T);
+  const u32 smem_at = (u32)__cvta_generic_to_shared(smem);
+  auto tma_place = [&](const u32* lo, const u32* hi) {  // 0 where it does not fit
+    const u32 a = ((u32)__cvta_generic_to_shared(lo) + 127) & ~127u;
+    return a + tma_bytes + 8 <= (u32)__cvta_generic_to_shared(hi) ? a : 0u;
+  };
+  u32 tma_at = 0;
+  if (kTmap && ring && tma_len <= 256 && p.pw % kUnit == 0) {
+    tma_at = tma_place(patch + stage_at, patch + region_alloc);
+    if (tma_at == 0) tma_at = tma_place(bs + w_used, bs + w_alloc);
+  }
+  const bool tma = tma_at != 0;
+  const u32 tma_bar = tma_at + tma_bytes;
+  u32 tma_parity = 0;
+  if (tma) {
+    stage = reinterpret_cast<T*>(reinterpret_cast<char*>(smem) + (tma_at - smem_at));
+    if (tid == 0) bar_init(tma_bar, 1);  // (the tile loop's first barrier shows it to all)
+  }
+  const int stage_len = tma ? tma_len : 4 * ((p.patch_w + 3) >> 2);
   bool staged = false;  // this tile's new rows wait in the staging area
   if (!ring) build_koff(koff, p, tid, 0);
   // The ring's koff changes with its base each tile: where one thread per
@@ -858,7 +891,12 @@ __global__ void __launch_bounds__(kConvThreads,
         }
 
     for (int c0 = 0; c0 < p.cin; c0 += p.cc) {
-      if (staged) cp_async_wait_all();
+      if (staged && tma) {
+        bar_wait(tma_bar, tma_parity);
+        tma_parity ^= 1;
+      } else if (staged) {
+        cp_async_wait_all();
+      }
       __syncthreads();  // the previous MMAs and epilogue are done with shared memory
       if (c0 == 0 && tile > tile_first) {
         if (nchw_mask) put_tile_mask_nchw(p, tile_words, at, tile_n, tid);
@@ -888,7 +926,7 @@ __global__ void __launch_bounds__(kConvThreads,
       else if (ring && !k_own)
         build_koff(koff, p, tid, base);
       if (staged)
-        unstage_rows<T, kPasses>(patch, stage, p, p.patch_h - fresh, fresh, base, tid);
+        unstage_rows<T, kPasses>(patch, stage, p, p.patch_h - fresh, fresh, base, stage_len, tid);
       else
         load_patch<T, kPasses, kChannelsLast>(patch, p, xn, c0, ih_base, iw_base, tid,
                                               p.patch_h - fresh, fresh, base);
@@ -900,11 +938,17 @@ __global__ void __launch_bounds__(kConvThreads,
       // into L2 (its copy then waits on L2, not on DRAM).
       if (ring && tile + 1 < tile_end && oh0 + 1 < p.tiles_h) {
         const int ih_next = ih_base + p.patch_h + p.sh - fresh_rows;
-        if (stage_ok)
+        if (tma) {
+          if (tid == 0) {
+            bar_expect(tma_bar, tma_bytes);
+            tensor_copy_4d(tma_at, *x_map, iw_base, ih_next, 0, n, tma_bar);
+          }
+        } else if (stage_ok) {
           stage_rows(stage, p, xn, ih_next, fresh_rows, iw_base, tid);
-        else
+        } else {
           prefetch_rows_l2(p, xn, ih_next, fresh_rows, iw_base, tid);
-        staged = stage_ok;
+        }
+        staged = tma || stage_ok;
       }
 
       if constexpr (kWgmma) {
@@ -1041,6 +1085,25 @@ __global__ void __launch_bounds__(kConvThreads,
     __syncthreads();
     put_tile_mask_nchw(p, tile_words, at, tile_n, tid);
   }
+}
+
+template <typename T, int kPasses, bool kChannelsLast>
+__global__ void __launch_bounds__(kConvThreads,
+                                  kPasses == 3 || (kWgmma && sizeof(T) == 4 && !kChannelsLast)
+                                      ? 3
+                                      : kOnePassBlocks) conv2d_kernel(const ConvParams p) {
+  forward_tiles<T, kPasses, kChannelsLast, false>(p, nullptr);
+}
+
+// The ring's new rows by tensor copies (sm_90, NCHW, _conv.forward_tmap):
+// one copy-engine operation per tile instead of a cp.async per 16 bytes from
+// every thread.
+template <typename T, int kPasses>
+__global__ void __launch_bounds__(kConvThreads, kPasses == 3 || (kWgmma && sizeof(T) == 4)
+                                                    ? 3
+                                                    : kOnePassBlocks)
+    conv2d_kernel_tmap(const ConvParams p, const __grid_constant__ TensorMap x_map) {
+  forward_tiles<T, kPasses, false, true>(p, &x_map);
 }
 
 }  // namespace cupy_act

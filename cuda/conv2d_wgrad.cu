@@ -68,6 +68,7 @@
 #include "params.cuh"
 #include "activations.cuh"
 #include "wgmma.cuh"
+#include "copy_engine.cuh"
 
 namespace cupy_act {
 
@@ -102,81 +103,6 @@ __device__ __forceinline__ void load_dz4(const T* dy_e, const u32* mask, long lo
   for (int j = 0; j < 4; ++j) d[j] = ldg_if(dy_e + j, j < valid);
   const u32 lo = ldg_if(m, valid > 0), hi = ldg_if(m + 1, sh + valid > 32);
   bits = __funnelshift_r(lo, hi, sh);
-}
-
-// The copy engine (sm_90): bulk copies from global into shared memory, each
-// completing on an mbarrier that counts the bytes. Other architectures never
-// launch the bulk path (_conv.wgrad_bulk); there these trap.
-__device__ __forceinline__ void bar_init(u32 bar) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 32;\n fence.mbarrier_init.release.cluster;"
-               :: "r"(bar) : "memory");
-#else
-  __trap();
-#endif
-}
-
-// One arrival on `bar` (of the 32 its phase waits for), and `bytes` more
-// that must land before the phase completes.
-__device__ __forceinline__ void bar_expect(u32 bar, u32 bytes) {
-#if __CUDA_ARCH__ >= 900
-  // The shared memory about to be overwritten was read by ordinary loads
-  // (ordered before this by the block's barrier); order them before the copies.
-  asm volatile("fence.proxy.async.shared::cta;\n"
-               " mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-               :: "r"(bar), "r"(bytes) : "memory");
-#else
-  __trap();
-#endif
-}
-
-// bytes (a multiple of 16) from src to shared address dst, both 16-byte aligned.
-__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-#else
-  __trap();
-#endif
-}
-
-// cuda.h's CUtensorMap: the opaque 128-byte descriptor of a tiled tensor copy,
-// encoded on the host (cuTensorMapEncodeTiled, cupy_act/_tensormap.py) and
-// passed by value as a __grid_constant__ kernel parameter.
-struct alignas(64) TensorMap {
-  u64 bits[16];
-};
-
-// The box of `map` at coordinates (c0, c1, c2) (elements, innermost first;
-// c0 * sizeof(T) a multiple of 16) to shared address dst (128-byte aligned),
-// completing on `bar`; parts of the box outside the tensor land as zeros.
-__device__ __forceinline__ void tensor_copy_3d(u32 dst, const TensorMap& map, int c0, int c1,
-                                               int c2, u32 bar) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3, %4}], [%5];"
-      :: "r"(dst), "l"(reinterpret_cast<u64>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-      : "memory");
-#else
-  __trap();
-#endif
-}
-
-// Wait for the phase of `bar` with this parity (0, 1, 0, ... per use).
-__device__ __forceinline__ void bar_wait(u32 bar, u32 parity) {
-#if __CUDA_ARCH__ >= 900
-  u32 done;
-  do {
-    asm volatile(
-        "{\n .reg .pred q;\n mbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, q;\n}"
-        : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-  } while (!done);
-#else
-  __trap();
-#endif
 }
 
 // The bulk path's dy (_conv.wgrad_bulk: a tile's positions in each channel
@@ -475,7 +401,7 @@ __device__ __forceinline__ void wgrad_tiles(const ConvParams& p, const TensorMap
                                          kStages * kRawBytes);
   const u32 bar0 = (u32)__cvta_generic_to_shared(maligned + kBN * 4);
   if (kStages > 0 && tid == 0)
-    for (int s = 0; s < kStages; ++s) bar_init(bar0 + 8 * s);
+    for (int s = 0; s < kStages; ++s) bar_init(bar0 + 8 * s, 32);
 
   // koff[k], depth k = (ci, r, s) of the chunk: the patch word of its channel
   // plane and column, ci * plane + s * dw (< 2^16: the patch is at most 75
@@ -865,7 +791,7 @@ __device__ __forceinline__ void wgrad_tiles_wg(const ConvParams& p, const Tensor
   T* rows = reinterpret_cast<T*>(reinterpret_cast<char*>(smem) + (raw0 - s0));
   u32* maligned = reinterpret_cast<u32*>(reinterpret_cast<char*>(rows) + kRawBytes);
   const u32 bar = raw0 + kRawBytes + kBN * 16;
-  if (kDy > 0 && tid == 0) bar_init(bar);
+  if (kDy > 0 && tid == 0) bar_init(bar, 32);
 
   const DivLeakyRelu<T> op = block_op<T>(p);
   const long long out_plane = (long long)p.oh * p.ow;

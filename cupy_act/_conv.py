@@ -54,9 +54,20 @@ def module_keys(dtype: str) -> tuple[tuple[str, int, bool], ...]:
     return tuple((dtype, n, cl) for n in counts for cl in (False, True))
 
 
+def forward_kernel_names(dtype: str) -> tuple[str, ...]:
+    """The forward module's instantiations for ``dtype``: the kernel per key
+    of ``module_keys``, then per NCHW key its version with the ring's rows by
+    tensor copies (``forward_tmap``)."""
+    keys = module_keys(dtype)
+    tmap = tuple(
+        f"cupy_act::conv2d_kernel_tmap<{CTYPES[dtype]}, {n}>" for _, n, cl in keys if not cl
+    )
+    return (*(kernel_name(*k) for k in keys), *tmap)
+
+
 def all_kernel_names() -> tuple[str, ...]:
     """Every fused-convolution forward instantiation, for the NVRTC checks."""
-    return tuple(kernel_name(*key) for d in DTYPES for key in module_keys(d))
+    return tuple(n for d in DTYPES for n in forward_kernel_names(d))
 
 
 def wgrad_kernel_names(dtype: str) -> tuple[str, ...]:
@@ -293,6 +304,63 @@ def _forward_smem(n_passes: int, cc: int, kc_pad: int, ph: int, pw: int) -> int 
     return 4 * (kc_pad + region + weights)
 
 
+# The forward's ring rows by tensor copies (conv2d_kernel_tmap); False keeps
+# the cp.async staging (tests compare the two).
+FORWARD_TMAP = True
+
+
+def forward_tmap(g: Geometry, tl: Tiling, n_passes: int, itemsize: int, x: int, sm: int) -> bool:
+    """Whether the sm_90a forward (NCHW; ``sm`` 90) brings the ring's new rows
+    by one tensor copy per tile (conv2d.cu's tma), x at device address ``x``:
+    x 16-byte aligned, the driver encodes tensor maps, and the geometry
+    allows it (``_tmap_fits``)."""
+    return (
+        FORWARD_TMAP
+        and x % 16 == 0
+        and _tmap_fits(g, tl, n_passes, itemsize, sm)
+        and _tensormap.available()
+    )
+
+
+@functools.lru_cache(maxsize=4096)  # (per shape: on every launch's path)
+def _tmap_fits(g: Geometry, tl: Tiling, n_passes: int, itemsize: int, sm: int) -> bool:
+    """forward_tmap's geometry: a ring of one-row tiles in one channel chunk
+    on compute capability 9.0; x's rows a whole number of 16-byte units long,
+    and every box starting on a unit (the left padding a whole number of
+    units); the box (cc channels, the fresh rows, PW rounded up to whole
+    units) and its mbarrier in unused shared memory at a 128-byte boundary,
+    as the kernel places them (after the bias, else after the weights, the
+    dynamic shared memory starting on a 128-byte boundary)."""
+    unit = 16 // itemsize
+    if sm != 90 or tl.c_log2 != 7 or g.cin > tl.cc or tl.cc > 256:
+        return False
+    if g.w % unit or g.padding[1] % unit:
+        return False
+    length = -(-tl.patch_w // unit) * unit
+    need = tl.cc * min(g.stride[0], tl.patch_h) * length * itemsize + 8
+    patch, region, weights = _forward_words(n_passes, tl.cc, tl.kc_pad, tl.patch_h, tl.patch_w)
+    w_used = (TILE_N * 72 if n_passes == 3 else 0) + TILE_N * tl.kc_pad
+    gaps = (  # words from the start: after the bias, after the weights
+        (tl.kc_pad + -(-(patch + AFTER_PATCH_WORDS) // 4) * 4, tl.kc_pad + region),
+        (tl.kc_pad + region + w_used, tl.kc_pad + region + weights),
+    )
+    fits = any(-(-4 * lo // 128) * 128 + need <= 4 * hi for lo, hi in gaps)
+    return length <= 256 and fits
+
+
+def _x_map(g: Geometry, tl: Tiling, itemsize: int) -> _tensormap.TiledMap:
+    """x (NCHW) as the forward's tensor map: columns (innermost), rows,
+    channels, images; a box is the ring's fresh rows of the chunk's cc
+    channels, PW columns rounded up to whole 16-byte units."""
+    unit = 16 // itemsize
+    row, plane = g.w * itemsize, g.h * g.w * itemsize
+    box = (-(-tl.patch_w // unit) * unit, min(g.stride[0], tl.patch_h), tl.cc, 1)
+    return _tensormap.TiledMap(itemsize, (g.w, g.h, g.cin, g.n), (row, plane, plane * g.cin), box)
+
+
+_x_maps: dict[tuple, _tensormap.TiledMap] = {}  # (Geometry, Tiling, itemsize) -> map
+
+
 def ring_staged(g: Geometry, tl: Tiling, n_passes: int, itemsize: int) -> bool:
     """Whether the sm_90a forward (NCHW) keeps the patch as a ring of rows whose
     new rows arrive by asynchronous copies into a staging area (conv2d.cu's
@@ -369,6 +437,13 @@ class ConvKernel(NamedTuple):
     function: object  # keeps the module loaded
 
 
+class ForwardKernels(NamedTuple):
+    """The forward's kernels for one (device, dtype, passes, layout)."""
+
+    main: ConvKernel
+    tmap: ConvKernel | None  # the ring's rows by tensor copies (NCHW only)
+
+
 class WgradKernels(NamedTuple):
     """The weight gradient's kernels for one (device, dtype, passes, layout)."""
 
@@ -383,7 +458,7 @@ class WgradKernels(NamedTuple):
 
 _lock = threading.Lock()
 _modules: dict[object, object] = {}
-_kernels: dict[tuple, ConvKernel] = {}  # (device, dtype, passes, channels_last)
+_kernels: dict[tuple, ForwardKernels] = {}  # (device, dtype, passes, channels_last)
 _wgrad_kernels: dict[tuple, WgradKernels] = {}  # the same keys
 _dgrad_kernels: dict[tuple, ConvKernel] = {}  # the same keys
 _smem_set: dict[int, int] = {}  # CUfunction -> dynamic shared memory allowed so far
@@ -441,12 +516,18 @@ def _instantiation(table: dict, key: tuple, module_key, source: str, names, entr
     return table[key]
 
 
-def kernel(device: int, dtype: str, n_passes: int, channels_last: bool) -> ConvKernel:
-    """The instantiation on ``device``; the first call per (device, dtype) compiles
-    (or loads from CuPy's disk cache) that dtype's module."""
+def kernel(device: int, dtype: str, n_passes: int, channels_last: bool) -> ForwardKernels:
+    """The forward's kernels on ``device``; the first call per (device, dtype)
+    compiles (or loads from CuPy's disk cache) that dtype's module."""
+    keys = module_keys(dtype)
+    nchw = [i for i, (_, _, cl) in enumerate(keys) if not cl]
+
+    def entry(k, loaded, i):
+        return ForwardKernels(k, loaded[len(keys) + nchw.index(i)] if i in nchw else None)
+
     return _instantiation(
         _kernels, (device, dtype, n_passes, channels_last), dtype, SOURCE,
-        lambda: [kernel_name(*k) for k in module_keys(dtype)], lambda k, *_: k,
+        lambda: forward_kernel_names(dtype), entry,
     )  # fmt: skip
 
 
@@ -551,7 +632,17 @@ def launch(
         return
     n_passes = passes(dtype, precision)
     tl = launch_tiling(g, n_passes, _sm(device) == 90)
-    k = kernel(device, dtype, n_passes, channels_last)
+    ks = kernel(device, dtype, n_passes, channels_last)
+    k, x_desc = ks.main, None
+    if ks.tmap is not None and forward_tmap(g, tl, n_passes, ITEMSIZE[dtype], x, _sm(device)):
+        key = (g, tl, ITEMSIZE[dtype])
+        x_map = _x_maps.get(key)
+        if x_map is None:
+            if len(_x_maps) >= 64:
+                _x_maps.clear()
+            x_map = _x_maps[key] = _x_map(g, tl, ITEMSIZE[dtype])
+        # (held till the launch: another thread may replace the map's last one)
+        k, x_desc = ks.tmap, x_map.at(x)
     _allow_smem(k, tl.smem)
     # A persistent grid: each block walks a run of consecutive tiles (down the
     # rows first), keeping its weights in shared memory when one chunk holds
@@ -561,7 +652,11 @@ def launch(
     per_block = math.ceil(n_tiles / max(1, _blocks(device, k, tl.smem) // col_tiles))
     s = _pack(g, tl, x, w, bias, y, mask, slope, scale, 0, 0, 0, per_block, 0)
     grid = (math.ceil(n_tiles / per_block), col_tiles)
-    _launch.run(k.ptr, k.ctx, grid, THREADS, stream, s.argv_ptr, tl.smem)
+    argv = s.argv_ptr
+    if x_desc is not None:  # the map: the kernel's second parameter
+        both = (ctypes.c_void_p * 2)(ctypes.addressof(s.buf), x_desc[1])
+        argv = ctypes.addressof(both)
+    _launch.run(k.ptr, k.ctx, grid, THREADS, stream, argv, tl.smem)
 
 
 def _pack(g: Geometry, tl: Tiling, x, w, bias, y, mask, slope, scale, *wgrad) -> _launch._Scratch:

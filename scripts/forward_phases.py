@@ -2,21 +2,22 @@
 stamps in a copy of the kernel.
 
     PYTHONPATH=. python scripts/forward_phases.py [--dtype float32]
-        [--algorithm fused] [--padding 0]
+        [--algorithm fused] [--padding 0] [--grad]
 
 Copies cupy_act/ and cuda/ to a temporary directory, inserts clock64()
 stamps at the phase boundaries of conv2d_kernel's tile loop (wgmma path),
 runs the seed shape (conv 8->64 3x3 on 128x8x128x128, NCHW) there in a child
-process and prints, per phase, the mean SM cycles per tile that a warp
-spends in it (over all blocks; per warp of the block too), at the GPU's own
-clocks. The phases:
+process (``--grad``: as training runs it, the mask written too) and prints,
+per phase, the mean SM cycles per tile that a warp spends in it (over all
+blocks; per warp of the block too), at the GPU's own clocks. The phases:
 
   wait+barrier  the staged rows' wait and the tile's first barrier
   mask out      the last tile's mask words to memory (put_tile_mask_nchw)
   copy          the depth offsets, the ring's new rows split into place (the
                 first tile: the whole patch and the weights)
   barrier       the second barrier
-  stage         the next tile's rows issued (cp.async or an L2 prefetch)
+  stage         the next tile's rows issued (a tensor copy, cp.async or an
+                L2 prefetch)
   mma           the MMA loop, waited for
   epilogue      bias, scale, LeakyReLU, stores, mask bits to shared memory
 
@@ -48,14 +49,16 @@ def _after(anchor: str, phase: int, indent: str) -> tuple[str, str]:
 
 _WEIGHTS = "load_weights<T, kPasses>(bs, p, w, tile_n, c0, tid);\n"
 _BLOCK = "blockIdx.x * gridDim.y + blockIdx.y"
+_BODY = "// The kernels' body; kTmap:"
+_END = "  if (nchw_mask && tile_first < tile_end) {  // the last tile's mask words\n"
 # (text in cuda/conv2d.cu, replacement); each text must occur once.
 EDITS = [
     (
-        "template <typename T, int kPasses, bool kChannelsLast>\n__global__",
+        _BODY,
         # [block][warp][phase, then the block's tile count]
         f'extern "C" __device__ long long phase_cycles[4096][4][{_N + 1}];\n'
         f"#define {_MARK}(i) {{ const long long _n = clock64(); _ph[i] += _n - _tp; _tp = _n; }}\n"
-        "template <typename T, int kPasses, bool kChannelsLast>\n__global__",
+        f"{_BODY}",
     ),
     (
         "  for (int tile = tile_first; tile < tile_end; ++tile) {\n",
@@ -76,19 +79,19 @@ EDITS = [
         f"{_WEIGHTS}      __syncthreads();\n",
         f"{_WEIGHTS}      {_MARK}(2)\n      __syncthreads();\n      {_MARK}(3)\n",
     ),
-    _after("        staged = stage_ok;\n      }\n", 4, "      "),
+    _after("        staged = tma || stage_ok;\n      }\n", 4, "      "),
     _after("        wgmma_chunk<kPasses>(wacc, a_wg, koff, b_desc, p.kc_pad, t);\n", 5, "        "),
     (
         "tile_words, warp, g, t);\n      }\n    } else {\n",
         f"tile_words, warp, g, t);\n      }}\n      {_MARK}(6)\n    }} else {{\n",
     ),
     (
-        "  if (nchw_mask && tile_first < tile_end) {  // the last tile's mask words\n",
+        _END,
         f"  if ((tid & 31) == 0 && {_BLOCK} < 4096) {{\n"
         f"    for (int i = 0; i < {_N}; ++i) phase_cycles[{_BLOCK}][warp][i] = _ph[i];\n"
         f"    phase_cycles[{_BLOCK}][warp][{_N}] = tile_end - tile_first;\n"
         "  }\n"
-        "  if (nchw_mask && tile_first < tile_end) {  // the last tile's mask words\n",
+        f"{_END}",
     ),
 ]
 
@@ -107,7 +110,7 @@ def make_copy(where: Path) -> Path:
     return where
 
 
-def child(dtype_name: str, algorithm: str, padding: int) -> None:
+def child(dtype_name: str, algorithm: str, padding: int, grad: bool) -> None:
     """Run the seed shape's forward, then print the stamps' means."""
     import cupy
     import torch
@@ -118,8 +121,8 @@ def child(dtype_name: str, algorithm: str, padding: int) -> None:
     dt = getattr(torch, dtype_name)
     torch.manual_seed(0)
     x = torch.randn(128, 8, 128, 128, device="cuda", dtype=dt)
-    w = torch.randn(64, 8, 3, 3, device="cuda", dtype=dt) * 0.1
-    b = torch.randn(64, device="cuda", dtype=dt)
+    w = (torch.randn(64, 8, 3, 3, device="cuda", dtype=dt) * 0.1).requires_grad_(grad)
+    b = torch.randn(64, device="cuda", dtype=dt).requires_grad_(grad)
 
     def call():
         return ct.conv2d_div_leaky_relu(x, w, b, 2.0, 0.01, 1, padding, algorithm=algorithm)
@@ -165,17 +168,25 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--algorithm", default="fused", choices=["fused", "fused_tf32"])
     ap.add_argument("--padding", type=int, default=0, help="the convolution's (seed: 0)")
+    ap.add_argument(
+        "--grad",
+        action="store_true",
+        help="the weight and bias need a gradient: the training forward, with its mask",
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.dtype, args.algorithm, args.padding)
+        child(args.dtype, args.algorithm, args.padding, args.grad)
         return
     with tempfile.TemporaryDirectory() as tmp:
         where = make_copy(Path(tmp))
         cmd = [sys.executable, __file__, "--child", "--dtype", args.dtype, "--algorithm",
                args.algorithm, "--padding", str(args.padding)]  # fmt: skip
+        cmd += ["--grad"] if args.grad else []
         env = dict(os.environ, PYTHONPATH=str(where))
-        print(f"forward, {args.dtype}, {args.algorithm}, padding {args.padding}", flush=True)
+        what = "with the mask (training)" if args.grad else "no mask (inference)"
+        print(f"forward, {args.dtype}, {args.algorithm}, padding {args.padding}, {what}",
+              flush=True)  # fmt: skip
         subprocess.run(cmd, env=env, check=True, timeout=600)
 
 

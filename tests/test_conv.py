@@ -530,12 +530,60 @@ def test_staged_cases_stage_and_wide_cases_do_not_all():
     assert plain >= 2
 
 
+def test_forward_tmap_takes_aligned_rings_on_sm90_only(monkeypatch):
+    """The ring's rows come by tensor copies (_conv.forward_tmap) for the
+    staged cases and the seed shape at both precisions and 16-bit, where x
+    is 16-byte aligned, on compute capability 9.0, with x's rows and the
+    left padding whole 16-byte units, where the driver encodes maps; the box fits its
+    shared memory at a 128-byte boundary; the map's box is the fresh rows of
+    the chunk's channels."""
+    monkeypatch.setattr(_conv._tensormap, "available", lambda: False)
+    g = _conv.geometry("f", (128, 8, 128, 128), (64, 8, 3, 3))
+    assert not _conv.forward_tmap(g, _conv.launch_tiling(g, 3, True), 3, 4, 256, 90)
+    monkeypatch.setattr(_conv._tensormap, "available", lambda: True)
+    seed = ((128, 8, 128, 128), (64, 8, 3, 3), 1, 0, 1)
+    took = []
+    for xs, ws, stride, padding, dilation in (*STAGED_CASES, seed):
+        g = _conv.geometry("f", xs, ws, stride, padding, dilation)
+        for n_passes, itemsize in ((1, 4), (3, 4), (1, 2)):
+            t = _conv.launch_tiling(g, n_passes, True)
+            units = (g.padding[1] * itemsize % 16, g.w * itemsize % 16) == (0, 0)
+            assert _conv.forward_tmap(g, t, n_passes, itemsize, 256, 90) == units
+            assert not _conv.forward_tmap(g, t, n_passes, itemsize, 256 + 8, 90)
+            assert not _conv.forward_tmap(g, t, n_passes, itemsize, 256, 80)
+            took.append(units)
+            if not units:
+                continue
+            m = _conv._x_map(g, t, itemsize)
+            box = m._args[4]
+            assert box[0] * itemsize % 16 == 0 and t.patch_w <= box[0] < t.patch_w + 16 // itemsize
+            assert (box[1], box[2], box[3]) == (min(g.stride[0], t.patch_h), t.cc, 1)
+            assert list(m._args[2]) == [g.w, g.h, g.cin, g.n]
+    # (16-bit in the second case: rows of 520 bytes under a padding of 8)
+    assert took.count(False) == 1
+    g = _conv.geometry("f", *seed)
+    t = _conv.launch_tiling(g, 3, True)
+    assert _conv.forward_tmap(g, t, 3, 4, 256, 90)
+    monkeypatch.setattr(_conv, "FORWARD_TMAP", False)
+    assert not _conv.forward_tmap(g, t, 3, 4, 256, 90)
+    monkeypatch.setattr(_conv, "FORWARD_TMAP", True)
+    # float32: tensor copies only where the cp.async staging would run
+    for xs, ws, stride, padding, dilation in (*WIDE_CASES, *STAGED_CASES):
+        g = _conv.geometry("f", xs, ws, stride, padding, dilation)
+        for n_passes in (1, 3):
+            t = _conv.launch_tiling(g, n_passes, True)
+            if _conv.forward_tmap(g, t, n_passes, 4, 256, 90):
+                assert _conv.ring_staged(g, t, n_passes, 4)
+
+
 @gpu
 @pytest.mark.parametrize("dtype, algorithm", FUSED_KINDS)
 @pytest.mark.parametrize("case", range(len(STAGED_CASES)), ids=[f"staged{i}" for i in range(3)])
-def test_fused_forward_staged_rows_match_plain_loads(case, dtype, algorithm):
-    """Within the float64 bound; and bit for bit the output and mask of the
-    same input one element off 16-byte alignment (no staging: plain loads)."""
+def test_fused_forward_staged_rows_match_plain_loads(case, dtype, algorithm, monkeypatch):
+    """Within the float64 bound, the mask bit set exactly where the output is
+    > 0; and bit for bit the output and mask of the same input one element
+    off 16-byte alignment (no staging: plain loads), and of the rows staged
+    by cp.async instead of tensor copies."""
     _check_accuracy(STAGED_CASES[case], 200 + case, dtype, algorithm, False)
     xs, ws, stride, padding, dilation = STAGED_CASES[case]
     x, w, b = _xwb(xs, ws, "cuda", dtype, seed=200 + case)
@@ -546,11 +594,13 @@ def test_fused_forward_staged_rows_match_plain_loads(case, dtype, algorithm):
     tf32 = algorithm == "fused_tf32"
     y, mask = conv.fused_forward(x, w, b, DIVISOR, SLOPE, *spd, tf32, True)
     y2, mask2 = conv.fused_forward(shifted, w, b, DIVISOR, SLOPE, *spd, tf32, True)
-    assert torch.equal(
-        y.view(torch.int16 if y.element_size() == 2 else torch.int32),
-        y2.view(torch.int16 if y.element_size() == 2 else torch.int32),
-    )
-    assert torch.equal(mask, mask2)
+    monkeypatch.setattr(_conv, "FORWARD_TMAP", False)
+    y3, mask3 = conv.fused_forward(x, w, b, DIVISOR, SLOPE, *spd, tf32, True)
+    bits = torch.int16 if y.element_size() == 2 else torch.int32
+    assert torch.equal(y.view(bits), y2.view(bits))
+    assert torch.equal(y.view(bits), y3.view(bits))
+    assert torch.equal(mask, mask2) and torch.equal(mask, mask3)
+    assert torch.equal(_impl.mask_to_bits(mask.cpu(), tuple(y.shape), False), (y > 0).cpu())
 
 
 @gpu

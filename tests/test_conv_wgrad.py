@@ -833,7 +833,8 @@ def test_forward_phases_stamps_compile(tmp_path, monkeypatch):
     assert text.count(f"{fp._MARK}(") == len(fp.PHASES) + 1  # (and the macro's definition)
     prog = nvrtc.createProgram(text, "phases.cu", (), ())
     try:
-        nvrtc.addNameExpression(prog, "cupy_act::conv2d_kernel<float, 1, false>")
+        # (the seed shape's kernel: the ring's rows by tensor copies)
+        nvrtc.addNameExpression(prog, "cupy_act::conv2d_kernel_tmap<float, 1>")
         opts = ("--std=c++17", "-ftz=true", "--device-as-default-execution-space")
         nvrtc.compileProgram(prog, (*opts, "-arch=compute_90a"))
         ptx = nvrtc.getPTX(prog).decode()
