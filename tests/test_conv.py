@@ -534,9 +534,9 @@ def test_forward_tmap_takes_aligned_rings_on_sm90_only(monkeypatch):
     """The ring's rows come by tensor copies (_conv.forward_tmap) for the
     staged cases and the seed shape at both precisions and 16-bit, where x
     is 16-byte aligned, on compute capability 9.0, with x's rows and the
-    left padding whole 16-byte units, where the driver encodes maps; the box fits its
-    shared memory at a 128-byte boundary; the map's box is the fresh rows of
-    the chunk's channels."""
+    left padding whole 16-byte units, where the driver encodes maps; the box
+    fits its shared memory at a 128-byte boundary; the map's box is the
+    fresh rows of the chunk's channels."""
     monkeypatch.setattr(_conv._tensormap, "available", lambda: False)
     g = _conv.geometry("f", (128, 8, 128, 128), (64, 8, 3, 3))
     assert not _conv.forward_tmap(g, _conv.launch_tiling(g, 3, True), 3, 4, 256, 90)
