@@ -358,9 +358,6 @@ def _x_map(g: Geometry, tl: Tiling, itemsize: int) -> _tensormap.TiledMap:
     return _tensormap.TiledMap(itemsize, (g.w, g.h, g.cin, g.n), (row, plane, plane * g.cin), box)
 
 
-_x_maps: dict[tuple, _tensormap.TiledMap] = {}  # (Geometry, Tiling, itemsize) -> map
-
-
 def ring_staged(g: Geometry, tl: Tiling, n_passes: int, itemsize: int) -> bool:
     """Whether the sm_90a forward (NCHW) keeps the patch as a ring of rows whose
     new rows arrive by asynchronous copies into a staging area (conv2d.cu's
@@ -471,15 +468,20 @@ _scalar_cache: dict[tuple, tuple[float, float]] = {}
 def _scalars(negative_slope, divisor, fname: str) -> tuple[float, float]:
     """kernel_scalars of div_leaky_relu (float op type), kept for the values
     seen last (rounding them through NumPy costs a few microseconds per
-    call); the types are part of the key (an int rounds as int64), and
-    values that raise are never kept."""
-    key = (negative_slope, divisor, type(negative_slope), type(divisor))
-    r = _scalar_cache.get(key)
+    call); the types are part of the key (an int rounds as int64); values
+    that raise, and a zero slope (whose sign matters), are never kept."""
+    key: tuple | None = (negative_slope, divisor, type(negative_slope), type(divisor))
+    try:
+        r = _scalar_cache.get(key)  # type: ignore[arg-type]
+    except TypeError:  # unhashable: the checks name it
+        r = key = None
     if r is None:
         r = kernel_scalars("div_leaky_relu", negative_slope, divisor, False, fname)
-        if len(_scalar_cache) >= 64:
-            _scalar_cache.clear()
-        _scalar_cache[key] = r
+        # 0.0 and -0.0 are equal keys with different results: zero is not kept
+        if key is not None and negative_slope:
+            if len(_scalar_cache) >= 64:
+                _scalar_cache.clear()
+            _scalar_cache[key] = r
     return r
 
 
@@ -630,46 +632,128 @@ def launch(
     slope, scale = _scalars(negative_slope, divisor, fname)
     if g.n * g.oh * g.ow == 0:
         return
+    run = forward_launch(device, dtype, precision, channels_last, g)
+    run(stream, x, w, bias, y, mask, slope, scale)
+
+
+# ---- prepared launches: worked out once per shape, addresses filled in per call ----
+
+# What changes per call in ConvParams: the five addresses at its start, the
+# slope and scale (float bits, each in the low half of 8 bytes), gw, gb, part.
+_ADDRESSES = struct.Struct("<QQQQQ")
+_SCALAR_PAIR = struct.Struct("<f4xf")
+_SCALARS_AT = struct.calcsize("<QQQQQ23i4x")
+_GRAD_ADDRESSES = struct.Struct("<QQQ")
+_GRADS_AT = struct.calcsize("<QQQQQ23i4xf4xf4xf4x")
+
+
+class Prepared(NamedTuple):
+    """One kernel's launch: grid, block and shared memory, and its ConvParams
+    packed but for the addresses and the scalars (zeros there)."""
+
+    ptr: int  # CUfunction
+    ctx: int
+    grid: tuple[int, int]
+    threads: int
+    smem: int
+    params: bytes
+
+    def fill(self, x, w, bias, y, mask, slope, scale) -> _launch._Scratch:
+        """This thread's argument buffer holding these params with the call's
+        addresses (x, w, bias, y, mask: the ConvParams fields) and scalars."""
+        s = _scratch
+        s.buf.raw = self.params
+        _ADDRESSES.pack_into(s.buf, 0, x, w, bias, y, mask)
+        _SCALAR_PAIR.pack_into(s.buf, _SCALARS_AT, slope, scale)
+        return s
+
+    def fire(self, stream: int, argv: int) -> None:
+        _launch.run(self.ptr, self.ctx, self.grid, self.threads, stream, argv, self.smem)
+
+
+def _prepared(k: ConvKernel, grid, smem: int, params: bytes, threads: int = THREADS) -> Prepared:
+    _allow_smem(k, smem)
+    return Prepared(k.ptr, k.ctx, grid, threads, smem, params)
+
+
+def _fire_with_map(k: Prepared, s: _launch._Scratch, stream: int, desc: tuple) -> None:
+    """Launch ``k`` with a tensor map (``desc``: its buffer, held till here by
+    the caller, and address) as the kernel's second parameter."""
+    both = (ctypes.c_void_p * 2)(ctypes.addressof(s.buf), desc[1])
+    k.fire(stream, ctypes.addressof(both))
+
+
+class ForwardLaunch(NamedTuple):
+    """The forward of one geometry on one device (``forward_launch``): its
+    kernel, and where the geometry allows, the one that brings the ring's
+    rows by tensor copies with x's tensor map (taken where x is 16-byte
+    aligned, checked per call)."""
+
+    main: Prepared
+    tmap: Prepared | None
+    x_map: _tensormap.TiledMap | None
+
+    def __call__(self, stream: int, x, w, bias, y, mask, slope, scale) -> None:
+        """Launch on raw addresses with the op-type scalars (``_scalars``)."""
+        if self.tmap is not None and self.x_map is not None and x % 16 == 0:
+            # (the descriptor's buffer held till the launch: another thread
+            # may replace the map's last one)
+            desc = self.x_map.at(x)
+            s = self.tmap.fill(x, w, bias, y, mask, slope, scale)
+            _fire_with_map(self.tmap, s, stream, desc)
+            return
+        self.main.fire(stream, self.main.fill(x, w, bias, y, mask, slope, scale).argv_ptr)
+
+
+_forward_launches: dict[tuple, ForwardLaunch] = {}
+
+
+def forward_launch(
+    device: int, dtype: str, precision: str, channels_last: bool, g: Geometry
+) -> ForwardLaunch:
+    """The forward's prepared launch for this geometry (kept per shape; the
+    caller checked ``fits`` and a non-empty output). A persistent grid: each
+    block walks a run of consecutive tiles (down the rows first), keeping its
+    weights in shared memory when one chunk holds every channel, and on
+    sm_90a one-row tiles' patch as a ring of rows."""
     n_passes = passes(dtype, precision)
-    tl = launch_tiling(g, n_passes, _sm(device) == 90)
+    tmap_on = FORWARD_TMAP and _tensormap.available()
+    key = (device, dtype, n_passes, channels_last, g, tmap_on)
+    run = _forward_launches.get(key)
+    if run is not None:
+        return run
+    sm, itemsize = _sm(device), ITEMSIZE[dtype]
+    tl = launch_tiling(g, n_passes, sm == 90)
     ks = kernel(device, dtype, n_passes, channels_last)
-    k, x_desc = ks.main, None
-    if ks.tmap is not None and forward_tmap(g, tl, n_passes, ITEMSIZE[dtype], x, _sm(device)):
-        key = (g, tl, ITEMSIZE[dtype])
-        x_map = _x_maps.get(key)
-        if x_map is None:
-            if len(_x_maps) >= 64:
-                _x_maps.clear()
-            x_map = _x_maps[key] = _x_map(g, tl, ITEMSIZE[dtype])
-        # (held till the launch: another thread may replace the map's last one)
-        k, x_desc = ks.tmap, x_map.at(x)
-    _allow_smem(k, tl.smem)
-    # A persistent grid: each block walks a run of consecutive tiles (down the
-    # rows first), keeping its weights in shared memory when one chunk holds
-    # every channel, and on sm_90a one-row tiles' patch as a ring of rows.
     n_tiles = g.n * tl.tiles_h * tl.tiles_w
     col_tiles = math.ceil(g.cout / TILE_N)
-    per_block = math.ceil(n_tiles / max(1, _blocks(device, k, tl.smem) // col_tiles))
-    s = _pack(g, tl, x, w, bias, y, mask, slope, scale, 0, 0, 0, per_block, 0)
-    grid = (math.ceil(n_tiles / per_block), col_tiles)
-    argv = s.argv_ptr
-    if x_desc is not None:  # the map: the kernel's second parameter
-        both = (ctypes.c_void_p * 2)(ctypes.addressof(s.buf), x_desc[1])
-        argv = ctypes.addressof(both)
-    _launch.run(k.ptr, k.ctx, grid, THREADS, stream, argv, tl.smem)
+
+    def prepared(k: ConvKernel) -> Prepared:
+        _allow_smem(k, tl.smem)  # (before the occupancy query)
+        per_block = math.ceil(n_tiles / max(1, _blocks(device, k, tl.smem) // col_tiles))
+        grid = (math.ceil(n_tiles / per_block), col_tiles)
+        return _prepared(k, grid, tl.smem, _params(g, tl, 0, 0, 0, per_block, 0))
+
+    tmap = x_map = None
+    if tmap_on and ks.tmap is not None and _tmap_fits(g, tl, n_passes, itemsize, sm):
+        tmap, x_map = prepared(ks.tmap), _x_map(g, tl, itemsize)
+    run = ForwardLaunch(prepared(ks.main), tmap, x_map)
+    if len(_forward_launches) >= 256:
+        _forward_launches.clear()
+    _forward_launches[key] = run
+    return run
 
 
-def _pack(g: Geometry, tl: Tiling, x, w, bias, y, mask, slope, scale, *wgrad) -> _launch._Scratch:
-    """ConvParams into this thread's argument buffer; ``wgrad``: gw, gb, part,
-    tiles_per_split, splits (the forward: its tiles per block in
-    tiles_per_split, the rest zeros)."""
-    s = _scratch
-    _PARAMS.pack_into(
-        s.buf, 0, x, w, bias, y, mask, g.n, g.cin, g.h, g.w, g.cout, g.oh, g.ow, g.kh, g.kw,
+def _params(g: Geometry, tl: Tiling, *wgrad) -> bytes:
+    """ConvParams with zero addresses and scalars (``Prepared.fill`` puts a
+    call's in); ``wgrad``: gw, gb, part (zeros here too), tiles_per_split,
+    splits (the forward: its tiles per block in tiles_per_split, the rest
+    zeros)."""
+    return _PARAMS.pack(
+        0, 0, 0, 0, 0, g.n, g.cin, g.h, g.w, g.cout, g.oh, g.ow, g.kh, g.kw,
         *g.stride, *g.padding, *g.dilation, tl.c_log2, tl.tiles_h, tl.tiles_w, tl.cc, tl.kc_pad,
-        tl.patch_h, tl.patch_w, 0, slope, scale, 1.0, *(wgrad or (0, 0, 0, 0, 0)),
+        tl.patch_h, tl.patch_w, 0, 0.0, 0.0, 1.0, *(wgrad or (0, 0, 0, 0, 0)),
     )  # fmt: skip
-    return s
 
 
 # ---- the weight and bias gradients (conv2d_wgrad.cu) ----
@@ -869,18 +953,57 @@ class WgradPlan(NamedTuple):
     wg_smem: int = 0  # the kernel on warpgroup MMAs' (wgrad_wgmma), else 0
 
 
-_wgrad_plans: dict[tuple, WgradPlan] = {}
+class WgradLaunch(NamedTuple):
+    """A weight-gradient plan's prepared launches (``wgrad_launch``): the
+    kernel that reads dy by plain loads, the ones by bulk copies and by
+    tensor copies where the plan has them (taken where dy and the mask are
+    16-byte aligned, checked per call; the same splits in the same order,
+    so the same bits either way), and the final sum without and with the
+    bias. All share one ConvParams."""
+
+    plan: WgradPlan
+    loads: Prepared
+    copies: Prepared | None
+    tmap: Prepared | None
+    finish: tuple[Prepared, Prepared]
+
+    def __call__(self, stream: int, x, dy, mask, gw, gb, part, slope, scale) -> None:
+        """Launch on raw addresses with the op-type scalars (``_scalars``)."""
+        k, desc = self.loads, None
+        if self.copies is not None and dy % 16 == 0 and mask % 16 == 0:
+            k = self.copies
+            if self.tmap is not None and self.plan.dy_map is not None:
+                k, desc = self.tmap, self.plan.dy_map.at(dy)  # (buffer held till the launch)
+        s = k.fill(x, 0, 0, dy, mask, slope, scale)
+        _GRAD_ADDRESSES.pack_into(s.buf, _GRADS_AT, gw, gb, part)
+        if k.grid[0]:  # (no positions: the final sum writes zeros)
+            if desc is not None:
+                _fire_with_map(k, s, stream, desc)
+            else:
+                k.fire(stream, s.argv_ptr)
+        self.finish[1 if gb else 0].fire(stream, s.argv_ptr)
+
+
+_wgrad_plans: dict[tuple, WgradLaunch] = {}
 
 
 def wgrad_plan(device: int, dtype: str, precision: str, channels_last: bool, g: Geometry):
     """The plan for this geometry on ``device`` (cached): one wave of blocks,
     each a contiguous run of tiles, fixed by the shape and the device's SM
     count, so that runs repeat bit for bit."""
+    return wgrad_launch(device, dtype, precision, channels_last, g).plan
+
+
+def wgrad_launch(
+    device: int, dtype: str, precision: str, channels_last: bool, g: Geometry
+) -> WgradLaunch:
+    """The plan for this geometry on ``device`` and its prepared launches (kept
+    per shape; the caller checked ``wgrad_fits``)."""
     n_passes = passes(dtype, precision)
     key = (device, dtype, n_passes, channels_last, g)
-    plan = _wgrad_plans.get(key)
-    if plan is not None:
-        return plan
+    run = _wgrad_plans.get(key)
+    if run is not None:
+        return run
     tl = wgrad_tiling(g, n_passes)
     assert tl is not None, "callers check wgrad_fits()"
     tl = _spaced(g, "wgrad", tl, lambda w: _wgrad_smem(n_passes, tl.cc, tl.patch_h, w))
@@ -915,8 +1038,32 @@ def wgrad_plan(device: int, dtype: str, precision: str, channels_last: bool, g: 
         tl, n_passes, per, splits, (splits, columns), floats, bulk_smem, tmap_smem, dy_map,
         wg_smem,
     )  # fmt: skip
-    _wgrad_plans[key] = plan
-    return plan
+    # No positions: no weight-gradient launch (an empty grid), and the final
+    # sum over zero splits writes zeros.
+    positions = g.n * g.oh * g.ow
+    params = _params(g, tl, 0, 0, 0, per, splits if positions else 0)
+    grid = plan.grid if positions else (0, columns)
+    copies = tmap = None
+    if wg_smem and ks.wg is not None:  # the same bits by any of its three ways to dy
+        loads = _prepared(ks.wg[0], grid, wg_smem, params)
+        if bulk_smem:
+            copies = _prepared(ks.wg[1], grid, wg_smem, params)
+            if dy_map is not None:
+                tmap = _prepared(ks.wg[2], grid, wg_smem, params)
+    else:
+        loads = _prepared(ks.main, grid, tl.smem, params)
+        if bulk_smem and ks.bulk is not None:
+            copies = _prepared(ks.bulk, grid, bulk_smem, params)
+            if dy_map is not None and ks.tmap is not None:
+                tmap = _prepared(ks.tmap, grid, tmap_smem, params)
+    finish = tuple(
+        _prepared(ks.finish, (math.ceil(g.cout * (k_total + b) / FINISH_OUTPUTS), 1), 0, params,
+                  FINISH_THREADS)
+        for b in (0, 1)
+    )  # fmt: skip
+    run = WgradLaunch(plan, loads, copies, tmap, finish)  # type: ignore[arg-type]
+    _wgrad_plans[key] = run
+    return run
 
 
 # conv2d_wgrad_finish: a block of 8 warps per 32 outputs (kFinishWarps), the
@@ -945,39 +1092,11 @@ def launch_wgrad(
     """gw (and gb if ``gb``) of ``leaky_relu((conv2d(x, w) + bias) / divisor)``
     from dy and the forward's mask: x, dy and the mask dense in one layout
     (NCHW or NHWC, the mask in dy's memory order), gw OIHW, ``part`` a float32
-    buffer of ``plan.part_floats``. Every element of gw and gb is written."""
+    buffer of ``plan.part_floats`` (``plan`` this geometry's ``wgrad_plan``).
+    Every element of gw and gb is written."""
     slope, scale = _scalars(negative_slope, divisor, fname)
-    ks = wgrad_kernels(device, dtype, plan.n_passes, channels_last)
-    # The bulk copies need dy 16-byte aligned (the mask too, as the path has
-    # been tested, though its words now come by plain loads); the register
-    # path runs the same splits in the same order: the same bits either way.
-    # The warpgroup kernel likewise gives its own bits whichever way dy comes.
-    main, smem = ks.main, plan.tiling.smem
-    dy_map: tuple | None = None
-    copies = plan.bulk_smem and dy % 16 == 0 and mask % 16 == 0
-    if plan.wg_smem and ks.wg is not None:  # the same bits by any of its three ways to dy
-        main, smem = ks.wg[1 if copies else 0], plan.wg_smem
-        if copies and plan.dy_map is not None:
-            main, dy_map = ks.wg[2], plan.dy_map.at(dy)
-    elif copies and ks.bulk is not None:
-        main, smem = ks.bulk, plan.bulk_smem
-        if plan.dy_map is not None and ks.tmap is not None:
-            main, smem, dy_map = ks.tmap, plan.tmap_smem, plan.dy_map.at(dy)
-    positions = g.n * g.oh * g.ow
-    splits = plan.splits if positions else 0  # no positions: the finish writes zeros
-    s = _pack(
-        g, plan.tiling, x, 0, 0, dy, mask, slope, scale, gw, gb, part,
-        plan.tiles_per_split, splits,
-    )  # fmt: skip
-    if positions:
-        argv = s.argv_ptr
-        if dy_map is not None:  # the kernel's second parameter (the map's buffer kept till here)
-            both = (ctypes.c_void_p * 2)(ctypes.addressof(s.buf), dy_map[1])
-            argv = ctypes.addressof(both)
-        _launch.run(main.ptr, main.ctx, plan.grid, THREADS, stream, argv, smem)
-    outputs = g.cout * (g.cin * g.kh * g.kw + (1 if gb else 0))
-    grid = (math.ceil(outputs / FINISH_OUTPUTS), 1)
-    _launch.run(ks.finish.ptr, ks.finish.ctx, grid, FINISH_THREADS, stream, s.argv_ptr)
+    run = wgrad_launch(device, dtype, "tf32" if plan.n_passes == 1 else "fp32", channels_last, g)
+    run(stream, x, dy, mask, gw, gb, part, slope, scale)
 
 
 # ---- the input gradient (conv2d_dgrad.cu) ----
@@ -1045,19 +1164,40 @@ def launch_dgrad(
     dy's memory order; w OIHW). Every element of dx is written. The caller
     checked ``dgrad_fits``."""
     slope, scale = _scalars(negative_slope, divisor, fname)
+    run = dgrad_launch(device, dtype, precision, channels_last, g)
+    if run is not None:
+        s = run.fill(0, w, 0, dy, mask, slope, scale)
+        _GRAD_ADDRESSES.pack_into(s.buf, _GRADS_AT, dx, 0, 0)
+        run.fire(stream, s.argv_ptr)
+
+
+_dgrad_launches: dict[tuple, Prepared | None] = {}
+
+
+def dgrad_launch(
+    device: int, dtype: str, precision: str, channels_last: bool, g: Geometry
+) -> Prepared | None:
+    """The input gradient's prepared launch for this geometry (kept per shape;
+    None where there is nothing to compute). One wave: each block a
+    contiguous run of input rows (the ring's two extra dz rows per stretch
+    are the cost of a split)."""
+    key = (device, dtype, precision, channels_last, g)
+    if key in _dgrad_launches:
+        return _dgrad_launches[key]
     units = g.n * dgrad_column_tiles(g) * g.h  # input rows of every column tile
-    if units == 0:
-        return
-    n_passes = passes(dtype, precision)
-    k = dgrad_kernel(device, dtype, n_passes, channels_last)
-    smem = dgrad_smem(g, n_passes)
-    _allow_smem(k, smem)
-    groups = dgrad_groups(g)
-    # One wave: each block a contiguous run of input rows (the ring's two
-    # extra dz rows per stretch are the cost of a split).
-    blocks = min(units, max(1, _blocks(device, k, smem) // groups))
-    per = -(-units // blocks)
-    blocks = -(-units // per)
-    tl = Tiling(7, 0, dgrad_column_tiles(g), 0, 0, 0, 0, smem)
-    s = _pack(g, tl, 0, w, 0, dy, mask, slope, scale, dx, 0, 0, per, 0)
-    _launch.run(k.ptr, k.ctx, (blocks, groups), THREADS, stream, s.argv_ptr, smem)
+    run = None
+    if units:
+        n_passes = passes(dtype, precision)
+        k = dgrad_kernel(device, dtype, n_passes, channels_last)
+        smem = dgrad_smem(g, n_passes)
+        _allow_smem(k, smem)
+        groups = dgrad_groups(g)
+        blocks = min(units, max(1, _blocks(device, k, smem) // groups))
+        per = -(-units // blocks)
+        blocks = -(-units // per)
+        tl = Tiling(7, 0, dgrad_column_tiles(g), 0, 0, 0, 0, smem)
+        run = _prepared(k, (blocks, groups), smem, _params(g, tl, 0, 0, 0, per, 0))
+    if len(_dgrad_launches) >= 256:
+        _dgrad_launches.clear()
+    _dgrad_launches[key] = run
+    return run

@@ -8,6 +8,7 @@ fallbacks.
 """
 
 import functools
+import math
 import random
 import re
 
@@ -576,6 +577,69 @@ def test_forward_tmap_takes_aligned_rings_on_sm90_only(monkeypatch):
                 assert _conv.ring_staged(g, t, n_passes, 4)
 
 
+def test_prepared_params_take_each_calls_addresses_and_scalars():
+    """A prepared launch's ConvParams (_conv._params, worked out once per
+    shape) with one call's addresses and scalars filled in (Prepared.fill)
+    are the fields the kernels read, in their places; a second call leaves
+    nothing of the first."""
+    g = _conv.geometry("f", (3, 5, 20, 30), (7, 5, 3, 3), 2, 1, 1)
+    t = _conv.launch_tiling(g, 3)
+    k = _conv.Prepared(0, 0, (1, 1), 128, t.smem, _conv._params(g, t, 0, 0, 0, 11, 13))
+    for base, slope, scale in ((1, 0.25, 0.5), (100, -0.0, 3.0)):
+        s = k.fill(base, base + 1, base + 2, base + 3, base + 4, slope, scale)
+        _conv._GRAD_ADDRESSES.pack_into(s.buf, _conv._GRADS_AT, base + 5, base + 6, base + 7)
+        f = _conv._PARAMS.unpack(s.buf.raw)
+        assert f[:5] == tuple(range(base, base + 5))
+        assert f[5:14] == (g.n, g.cin, g.h, g.w, g.cout, g.oh, g.ow, g.kh, g.kw)
+        assert f[14:20] == (*g.stride, *g.padding, *g.dilation)
+        assert f[20:27] == (t.c_log2, t.tiles_h, t.tiles_w, t.cc, t.kc_pad, t.patch_h, t.patch_w)
+        assert f[27:31] == (0, slope, scale, 1.0)
+        assert math.copysign(1, f[28]) == math.copysign(1, slope)
+        assert f[31:] == (base + 5, base + 6, base + 7, 11, 13)
+
+
+def test_kernel_scalars_keep_the_sign_of_a_zero_slope():
+    """_conv._scalars keeps rounded scalars per value, but 0.0 and -0.0 are
+    equal keys with different results (x * -0.0 is +0.0 for negative x):
+    each gets its own sign, in either order."""
+    for first, second in ((0.0, -0.0), (-0.0, 0.0)):
+        for slope in (first, second, first):
+            got, _ = _conv._scalars(slope, 2.0, "f")
+            assert math.copysign(1, got) == math.copysign(1, slope)
+
+
+def test_checked_calls_are_kept_only_for_exact_plain_arguments():
+    """conv._checked keeps what the checks settled per kind of call, and a
+    kept call never lets a bad one through: True for 1 (equal keys) and a
+    zero divisor still raise, as do wrong types; lists are checked each
+    time, with the same result."""
+    x, w, b = torch.randn(2, 3, 9, 9), torch.randn(4, 3, 3, 3), torch.randn(4)
+    conv._checks.clear()
+    first = conv._checked(x, w, b, 2.0, 0.01, 1, 1, 1, "fused")
+    assert conv._checked(x, w, b, 2.0, 0.01, 1, 1, 1, "fused") is first
+    assert len(conv._checks) == 1 and first.pad == (1, 1)
+    assert conv._checked(x, w, b, 2.0, 0.01, [1, 1], [1, 1], (1, 1), "fused") == first
+    assert len(conv._checks) == 2  # lists kept as pairs of exact ints
+    with pytest.raises(ValueError, match="padding=True"):
+        conv._checked(x, w, b, 2.0, 0.01, 1, True, 1, "fused")
+    conv._checked(x, w, b, 2.0, 0.01, True, 1, 1, "fused")  # (CPU: F.conv2d's to check)
+    assert len(conv._checks) == 2  # a bool is never part of a key
+    with pytest.raises(ValueError, match="padding=\\(True, 1\\)"):
+        conv._checked(x, w, b, 2.0, 0.01, 1, (True, 1), 1, "fused")
+    with pytest.raises(ValueError, match="divisor"):
+        conv._checked(x, w, b, 0.0, 0.01, 1, 1, 1, "fused")
+    with pytest.raises(TypeError, match="negative_slope"):
+        conv._checked(x, w, b, 2.0, True, 1, 1, 1, "fused")
+    with pytest.raises(ValueError, match="algorithm"):
+        conv._checked(x, w, b, 2.0, 0.01, 1, 1, 1, "fast")
+    with pytest.raises(TypeError, match="bias"):
+        conv._checked(x, w, b.double(), 2.0, 0.01, 1, 1, 1, "fused")
+    with pytest.raises(TypeError, match="input must be a torch.Tensor"):
+        conv._checked(x.numpy(), w, b, 2.0, 0.01, 1, 1, 1, "fused")
+    assert conv._checked(x, w, None, 2, -0.0, 1, "same", 1, "auto").pad == (1, 1)
+    assert not first.fusable[0] and first.g is None  # CPU tensors: PyTorch's path
+
+
 @gpu
 @pytest.mark.parametrize("dtype, algorithm", FUSED_KINDS)
 @pytest.mark.parametrize("case", range(len(STAGED_CASES)), ids=[f"staged{i}" for i in range(3)])
@@ -953,5 +1017,9 @@ def test_conv_bench_script(tmp_path):
     assert impls == ["eager", "exact", "channels_last", "fused", "fused_tf32", "auto", *forced]
     assert all(r["forward_ms"] > 0 and r["max_err"] < 1e-2 for r in out["rows"])
     assert all(r["w_bwd_ms"] > 0 and r["w_fwd_bwd_ms"] > 0 for r in out["rows"])
-    assert all(0 < r["w_bwd_gpu_ms"] < 4.0 for r in out["rows"])  # the queued sleep not timed
-    assert "| 16to32 | fused |" in (tmp_path / "c.md").read_text()
+    for key in ("forward", "fwd_bwd", "w_fwd_bwd", "w_bwd"):  # the queued sleep not timed
+        assert all(0 < r[f"{key}_gpu_ms"] < 4.0 for r in out["rows"]), key
+    assert sorted(out["floors"]) == ["function backward", "function forward", "launch"]
+    assert all(0 < v < 1.0 for v in out["floors"].values())
+    text = (tmp_path / "c.md").read_text()
+    assert "| 16to32 | fused |" in text and "| function backward |" in text

@@ -33,6 +33,7 @@ weight (``cuda/conv2d_dgrad.cu``: 3 x 3 filters, stride 1, see
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -60,13 +61,21 @@ def fused_forward(
     the mask in that memory order), else NCHW.
     """
     g = _conv.geometry(FNAME, x.shape, weight.shape, stride, padding, dilation)
+    y, mask = _forward(x, weight, bias, g, divisor, slope, tf32, with_mask)
+    return y, x.new_empty(0, dtype=torch.uint8) if mask is None else mask
+
+
+def _forward(x: Tensor, weight: Tensor, bias, g, divisor, slope, tf32, with_mask):
+    """fused_forward on a worked-out geometry ``g``; the mask None without
+    ``with_mask``."""
     cl = _impl.is_channels_last(x)
     fmt = torch.channels_last if cl else torch.contiguous_format
     x = x.contiguous(memory_format=fmt)
     w = weight.contiguous()  # OIHW in either layout
     y = torch.empty(g.out_shape, dtype=x.dtype, device=x.device, memory_format=fmt)
-    nbytes = mask_nbytes(y.numel()) if with_mask else 0
-    mask = torch.zeros(nbytes, dtype=torch.uint8, device=x.device)
+    mask = None
+    if with_mask:
+        mask = torch.zeros(mask_nbytes(y.numel()), dtype=torch.uint8, device=x.device)
     b = None if bias is None else bias.contiguous()
     dev = x.get_device()
     _conv.launch(
@@ -80,7 +89,7 @@ def fused_forward(
         w.data_ptr(),
         0 if b is None else b.data_ptr(),
         y.data_ptr(),
-        mask.data_ptr() if nbytes else 0,
+        0 if mask is None else mask.data_ptr(),
         slope,
         divisor,
         FNAME,
@@ -117,26 +126,28 @@ def _(x, weight, bias, divisor, negative_slope, stride, padding, dilation, tf32,
 
 def fused_wgrad(
     x: Tensor, gy: Tensor, mask: Tensor, weight_shape, with_bias: bool, divisor, slope,
-    stride, padding, dilation, tf32: bool,
+    stride, padding, dilation, tf32: bool, g=None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """(gw, gb) of the fused block from the upstream gradient and the forward's
     mask, in one pass over dy, the mask and x (``cuda/conv2d_wgrad.cu``); gb is
-    empty without ``with_bias``. x's layout decides, as in the forward."""
-    g = _conv.geometry(FNAME, x.shape, weight_shape, stride, padding, dilation)
+    empty without ``with_bias``. x's layout decides, as in the forward. ``g``:
+    the geometry if worked out already."""
+    if g is None:
+        g = _conv.geometry(FNAME, x.shape, weight_shape, stride, padding, dilation)
     cl = _impl.is_channels_last(x)
     fmt = torch.channels_last if cl else torch.contiguous_format
     x = x.contiguous(memory_format=fmt)
     gy = gy.contiguous(memory_format=fmt)
     dev = x.get_device()
     dtype = _impl.DTYPE_NAMES[x.dtype]
-    plan = _conv.wgrad_plan(dev, dtype, "tf32" if tf32 else "fp32", cl, g)
-    part = torch.empty(plan.part_floats, dtype=torch.float32, device=x.device)
+    run = _conv.wgrad_launch(dev, dtype, "tf32" if tf32 else "fp32", cl, g)
+    part = torch.empty(run.plan.part_floats, dtype=torch.float32, device=x.device)
     gw = torch.empty(tuple(weight_shape), dtype=x.dtype, device=x.device)
     gb = x.new_empty(g.cout if with_bias else 0)
-    _conv.launch_wgrad(
-        dev, dtype, cl, g, plan, _impl._raw_stream(dev), x.data_ptr(), gy.data_ptr(),
-        mask.data_ptr(), gw.data_ptr(), gb.data_ptr() if with_bias else 0, part.data_ptr(),
-        slope, divisor, FNAME,
+    slope, scale = _conv._scalars(slope, divisor, FNAME)
+    run(
+        _impl._raw_stream(dev), x.data_ptr(), gy.data_ptr(), mask.data_ptr(), gw.data_ptr(),
+        gb.data_ptr() if with_bias else 0, part.data_ptr(), slope, scale,
     )  # fmt: skip
     return gw, gb
 
@@ -169,12 +180,14 @@ def _(x, gy, mask, weight_shape, with_bias, *args):
 
 def fused_dgrad(
     gy: Tensor, mask: Tensor, weight: Tensor, x_shape, channels_last: bool, divisor, slope,
-    stride, padding, dilation, tf32: bool,
+    stride, padding, dilation, tf32: bool, g=None,
 ) -> Tensor:  # fmt: skip
     """The input gradient of the fused block from the upstream gradient and
     the forward's mask, in one pass over dy and the mask
-    (``cuda/conv2d_dgrad.cu``), in x's layout (``channels_last``)."""
-    g = _conv.geometry(FNAME, x_shape, weight.shape, stride, padding, dilation)
+    (``cuda/conv2d_dgrad.cu``), in x's layout (``channels_last``). ``g``: the
+    geometry if worked out already."""
+    if g is None:
+        g = _conv.geometry(FNAME, x_shape, weight.shape, stride, padding, dilation)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     gy = gy.contiguous(memory_format=fmt)
     w = weight.contiguous()
@@ -214,12 +227,14 @@ def _(gy, mask, weight, x_shape, channels_last, *args):
     return torch.empty(tuple(x_shape), dtype=gy.dtype, device=gy.device, memory_format=fmt)
 
 
-def _save(ctx, x, weight, bias, mask, slope, divisor, stride, padding, dilation, tf32) -> None:
-    """What the backward reads: x, the weight and the mask, and the scalars."""
+def _save(ctx, x, weight, bias, mask, slope, divisor, stride, padding, dilation, tf32, g) -> None:
+    """What the backward reads: x, the weight and the mask, the scalars and
+    the geometry ``g``."""
     ctx.no_mask = False
     ctx.save_for_backward(x, weight, mask)
     ctx.args = (slope, divisor, stride, padding, dilation, _impl.is_channels_last(x), tf32)
     ctx.bias = None if bias is None else [bias.shape[0]]
+    ctx.g = g
 
 
 def _setup(ctx, inputs, output):
@@ -227,19 +242,19 @@ def _setup(ctx, inputs, output):
     if not with_mask:
         ctx.no_mask = True
         return
-    _save(ctx, x, weight, bias, output[1], slope, divisor, stride, padding, dilation, tf32)
+    g = _conv.geometry(FNAME, x.shape, weight.shape, stride, padding, dilation)
+    _save(ctx, x, weight, bias, output[1], slope, divisor, stride, padding, dilation, tf32, g)
     ctx.mark_non_differentiable(output[1])
 
 
-def _grads(ctx, gy, wgrad, dgrad, mask_backward) -> tuple:
+def _grads(ctx, gy, eager: bool) -> tuple:
     """(gx, gw, gb): the weight and bias gradients from the fused
     weight-gradient kernel (dy, the mask and x) and the input gradient from
     the fused input-gradient kernel (dy, the mask and the weight) where they
-    apply (``_wgrad_fits``, ``_dgrad_fits``); the rest from the mask backward
-    of the elementwise op (dz) and PyTorch's convolution backward. Where both
-    kernels apply, dz is never in memory. ``wgrad``, ``dgrad`` and
-    ``mask_backward`` run the kernels: the custom ops, or (eager) the
-    functions behind them."""
+    apply (``_route``); the rest from the mask backward of the elementwise op
+    (dz) and PyTorch's convolution backward. Where both kernels apply, dz is
+    never in memory. ``eager``: the kernels' functions run them, else the
+    custom ops (torch.compile, torch.func)."""
     if ctx.no_mask:
         raise RuntimeError(f"{FNAME}: this fused call ran without a mask; it has no backward")
     x, w, mask = ctx.saved_tensors
@@ -247,17 +262,17 @@ def _grads(ctx, gy, wgrad, dgrad, mask_backward) -> tuple:
     need = ctx.needs_input_grad
     with_bias = ctx.bias is not None and need[2]
     gx = gw = gb = None
-    fused_w = (need[1] or with_bias) and _wgrad_fits(x, w, stride, padding, dilation, tf32)
+    wgrad_fits, dgrad_fits = _route(x, w, ctx.g, stride, padding, dilation, tf32)
+    fused_w = (need[1] or with_bias) and wgrad_fits
+    mask_backward = _impl.backward if eager else _library.backward_op
     if fused_w:
-        gw, gb = wgrad(
-            x, gy, mask, list(w.shape), with_bias, divisor, slope, stride, padding, dilation, tf32
-        )
+        args = (x, gy, mask, list(w.shape), with_bias, divisor, slope, stride, padding, dilation)
+        gw, gb = fused_wgrad(*args, tf32, ctx.g) if eager else wgrad_op(*args, tf32)
         gw, gb = gw if need[1] else None, gb if with_bias else None
     if fused_w or not (need[1] or with_bias):  # only the input gradient left, if any
-        if need[0] and _dgrad_fits(x, w, stride, padding, dilation, tf32):
-            gx = dgrad(
-                gy, mask, w, list(x.shape), cl, divisor, slope, stride, padding, dilation, tf32
-            )
+        if need[0] and dgrad_fits:
+            args = (gy, mask, w, list(x.shape), cl, divisor, slope, stride, padding, dilation)
+            gx = fused_dgrad(*args, tf32, ctx.g) if eager else dgrad_op(*args, tf32)
         elif need[0]:
             d = mask_backward(gy, mask, "div_leaky_relu", slope, divisor, cl)
             gx = torch.ops.aten.convolution_backward(
@@ -274,7 +289,7 @@ def _grads(ctx, gy, wgrad, dgrad, mask_backward) -> tuple:
 
 def _backward(ctx, gy, gmask):
     """fused_op's backward (``_grads`` through the custom ops)."""
-    return *_grads(ctx, gy, wgrad_op, dgrad_op, _library.backward_op), *(None,) * 7
+    return *_grads(ctx, gy, False), *(None,) * 7
 
 
 class _FusedEager(torch.autograd.Function):
@@ -283,20 +298,45 @@ class _FusedEager(torch.autograd.Function):
     whose dispatch and autograd wrapping cost about 55 us of host time per
     forward and 50 per backward (H200 host, ``scripts/overhead.py --conv``).
     torch.compile, torch.func transforms and forward-mode AD take fused_op.
-    The backward is not differentiable again (fused_op's is not either)."""
+    The backward is not differentiable again (fused_op's is not either).
+    ``g``: the geometry, worked out by the caller's checks."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, divisor, slope, stride, padding, dilation, tf32):
-        y, mask = fused_forward(
-            x, weight, bias, divisor, slope, stride, padding, dilation, tf32, True
-        )
-        _save(ctx, x, weight, bias, mask, slope, divisor, stride, padding, dilation, tf32)
+    def forward(ctx, x, weight, bias, divisor, slope, stride, padding, dilation, tf32, g):
+        y, mask = _forward(x, weight, bias, g, divisor, slope, tf32, True)
+        _save(ctx, x, weight, bias, mask, slope, divisor, stride, padding, dilation, tf32, g)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, gy):
-        return *_grads(ctx, gy, fused_wgrad, fused_dgrad, _impl.backward), *(None,) * 6
+        return *_grads(ctx, gy, True), *(None,) * 7
+
+
+_routes: dict[tuple, tuple[bool, bool]] = {}
+
+
+def _route(x: Tensor, w: Tensor, g, stride, padding, dilation, tf32: bool) -> tuple[bool, bool]:
+    """(``_wgrad_fits``, ``_dgrad_fits``) of a backward, kept per geometry,
+    dtype, device, layout and setting of ``FUSED_WGRAD`` and ``FUSED_DGRAD``
+    (symbolic sizes under torch.compile: worked out each time)."""
+    cl = _impl.is_channels_last(x)
+    key: tuple | None
+    try:
+        key = (g, x.dtype, x.device, tf32, cl, FUSED_WGRAD, FUSED_DGRAD)
+        r = _routes.get(key)
+    except TypeError:  # unhashable (symbolic) sizes
+        key = r = None
+    if r is None:
+        r = (
+            _wgrad_fits(x, w, stride, padding, dilation, tf32),
+            _dgrad_fits(x, w, stride, padding, dilation, tf32),
+        )
+        if key is not None:
+            if len(_routes) >= 256:
+                _routes.clear()
+            _routes[key] = r
+    return r
 
 
 def _wgrad_fits(x: Tensor, w: Tensor, stride, padding, dilation, tf32: bool) -> bool:
@@ -419,6 +459,64 @@ def _check(x, weight, bias, divisor, slope, algorithm) -> None:
         raise ValueError(f"{FNAME}: algorithm={algorithm!r}; expected one of {ALGORITHMS}")
 
 
+class _Checked(NamedTuple):
+    """What the checks of a call settled (``_checked``)."""
+
+    pad: tuple[int, int] | None  # the padding as a pair (None: not expressible, see _padding)
+    fusable: tuple[bool, ...]  # whether the fused kernel runs it: FP32 (three passes), TF32
+    spd: tuple  # stride, padding and dilation as pairs, where it does
+    g: object  # the geometry (_conv.Geometry), where it does
+
+
+_checks: dict[tuple, _Checked] = {}
+
+
+def _checked(x, weight, bias, divisor, slope, stride, padding, dilation, algorithm) -> _Checked:
+    """``_check`` and the padding, and where the fused kernel may run the
+    geometry and whether it fits, kept per kind of call: the key holds what
+    they read (the tensors' shapes, dtypes and devices, the hyper-parameters
+    as exact ints or strings, the scalars with their types). Only calls that
+    passed are kept; never while torch.compile traces (it would guard on the
+    table)."""
+    key = None
+    if not torch.compiler.is_compiling():
+        try:
+            key = (
+                x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device,
+                None if bias is None else (bias.shape, bias.dtype, bias.device),
+                _exact(stride), _exact(padding), _exact(dilation),
+                divisor, type(divisor), slope, type(slope), algorithm,
+            )  # fmt: skip
+            c = _checks.get(key)
+        except (AttributeError, TypeError):  # not tensors, unhashable values: checked below
+            key = c = None
+        if c is not None:
+            return c
+    _check(x, weight, bias, divisor, slope, algorithm)
+    pad = _padding(padding, weight, dilation, stride)
+    fusable: tuple[bool, ...] = (False, False)
+    spd: tuple = ()
+    g = None
+    if pad is not None and x.is_cuda and x.dtype in _FUSED_DTYPES:
+        g = _conv.geometry(FNAME, x.shape, weight.shape, stride, pad, dilation)
+        name = _impl.DTYPE_NAMES[x.dtype]
+        fusable = tuple(_conv.fits(g, _conv.passes(name, p)) for p in ("fp32", "tf32"))
+        spd = (g.stride, g.padding, g.dilation)
+    c = _Checked(pad, fusable, spd, g)
+    if key is not None and None not in key[7:10]:
+        if len(_checks) >= 256:
+            _checks.clear()
+        _checks[key] = c
+    return c
+
+
+def _exact(value):
+    """A hyper-parameter as part of ``_checked``'s key: a string, or what
+    ``_conv._plain`` keeps (ints of type int exactly: True must not pass for
+    1), else None (the call is not kept)."""
+    return value if type(value) is str else _conv._plain(value)
+
+
 def conv2d_div_leaky_relu(
     input: Tensor,
     weight: Tensor,
@@ -447,27 +545,26 @@ def conv2d_div_leaky_relu(
     Autograd saves a 1-bit mask instead of the convolution's output (and for
     the fused algorithms never materialises that output at all).
     """
-    _check(input, weight, bias, divisor, negative_slope, algorithm)
-    pad = _padding(padding, weight, dilation, stride)
+    c = _checked(input, weight, bias, divisor, negative_slope, stride, padding, dilation, algorithm)
     # which of (input, weight, bias) ask for a gradient (wanted only in grad mode)
     grads = (input.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     needs_grad = torch.is_grad_enabled() and any(grads)
     if algorithm == "auto":
         algorithm = _choose(
-            input, weight, bias, divisor, negative_slope, stride, pad, dilation, padding,
+            input, weight, bias, divisor, negative_slope, stride, c.pad, dilation, padding,
             allow_tf32, grads if needs_grad else None,
         )  # fmt: skip
     tf32 = algorithm == "fused_tf32"
-    if algorithm.startswith("fused") and _fusable(input, weight, pad, stride, dilation, tf32):
-        s = list(_conv.pair(stride, "stride", FNAME, 1))
-        d = list(_conv.pair(dilation, "dilation", FNAME, 1))
-        args = (input, weight, bias, float(divisor), float(negative_slope), s, list(pad), d, tf32)
+    if algorithm.startswith("fused") and c.fusable[1 if tf32 else 0]:
+        divisor, negative_slope = float(divisor), float(negative_slope)
         compiling = torch.compiler.is_compiling()
         if needs_grad and not (compiling or F._functorch_active() or F._forward_ad_active()):
-            return _FusedEager.apply(*args)
+            args = (input, weight, bias, divisor, negative_slope, *c.spd, tf32)
+            return _FusedEager.apply(*args, c.g)
         if needs_grad or compiling:
-            return fused_op(*args, needs_grad)[0]
-        return fused_forward(*args, False)[0]
+            spd = [list(v) for v in c.spd]
+            return fused_op(input, weight, bias, divisor, negative_slope, *spd, tf32, needs_grad)[0]
+        return _forward(input, weight, bias, c.g, divisor, negative_slope, tf32, False)[0]
     cl = algorithm == "channels_last"
     return _unfused(input, weight, bias, divisor, negative_slope, stride, padding, dilation, cl)
 
