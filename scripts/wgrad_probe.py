@@ -89,8 +89,9 @@ def make_copy(edits: list[tuple[str, str]], where: Path) -> Path:
 
 def child(dtype_name: str, layout: str, algorithm: str, what: str, padding: str,
           timing: str = "ncu") -> None:  # fmt: skip
-    """Run the seed shape's weight gradient (or forward) three times (ncu times
-    the second); with ``timing`` "events", print its median CUDA-event time
+    """Run the seed shape's weight gradient (or forward; "forward-nograd": the
+    forward without a gradient, so without a mask) three times (ncu times the
+    second); with ``timing`` "events", print its median CUDA-event time
     instead (EVENT_TIMINGS timings of EVENT_CALLS back-to-back calls each, at
     the GPU's own clocks)."""
     import torch
@@ -112,6 +113,9 @@ def child(dtype_name: str, layout: str, algorithm: str, what: str, padding: str,
     def call():
         if what == "forward":
             ct.conv2d_div_leaky_relu(x, w, b, 2.0, 0.01, 1, pad, algorithm=algorithm)
+        elif what == "forward-nograd":  # no mask
+            with torch.no_grad():
+                ct.conv2d_div_leaky_relu(x, w, b, 2.0, 0.01, 1, pad, algorithm=algorithm)
         else:
             torch.autograd.grad(y, (w, b), gy, retain_graph=True)
 

@@ -1023,3 +1023,43 @@ def test_conv_bench_script(tmp_path):
     assert all(0 < v < 1.0 for v in out["floors"].values())
     text = (tmp_path / "c.md").read_text()
     assert "| 16to32 | fused |" in text and "| function backward |" in text
+
+
+def _script(name: str):
+    """scripts/<name>.py as a module (its main not run)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_clocks_under_load_reads_nvidia_smi_samples():
+    """scripts/clocks_under_load.py: medians of nvidia-smi's clock and power
+    samples, the share with the software power cap among the reasons (bit
+    0x4 of a hex mask), a line cut off at the end skipped."""
+    out = (
+        "1980, 400.5, 0x0000000000000000\n"
+        "1755, 699.0, 0x0000000000000004\n"
+        "1700, 700.2, 0x0000000000000005\n"
+        "1980, 150.0, 0x0000000000000001\n"
+        "17"
+    )
+    r = _script("clocks_under_load").summarize(out)
+    assert r["samples"] == 4 and r["capped"] == 0.5
+    assert r["clock"] == (1755 + 1980) / 2 and r["power"] == (400.5 + 699.0) / 2
+    assert r["power_max"] == 700.2
+    assert _script("clocks_under_load").summarize("")["samples"] == 0
+
+
+@gpu
+def test_clocks_under_load_script(tmp_path):
+    """scripts/clocks_under_load.py runs end to end (a short loop per workload)."""
+    from conftest import run_json
+
+    out = run_json("clocks_under_load.py", ["--seconds", "0.5"], tmp_path / "c.json")
+    assert list(out["rows"])[:2] == ["idle", "copy"]
+    assert all(r["ms"] > 0 for k, r in out["rows"].items() if k != "idle")

@@ -746,7 +746,12 @@ def test_kernel_limits_reads_ncu_exports(tmp_path, monkeypatch):
     ]
     stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
     names = ["ID", *(stall.format(r) for r in ("wait", "selected", "barrier", "long_scoreboard"))]
-    raw = [names, ["", "ratio", "ratio", "ratio", "ratio"], ["0", "1.55", "1.00", "0.60", "n/a"]]
+    names += ["dram__bytes_write.sum", "sm__cycles_elapsed.avg.per_second"]
+    raw = [
+        names,
+        ["", "ratio", "ratio", "ratio", "ratio", "Mbyte", "Ghz"],
+        ["0", "1.55", "1.00", "0.60", "n/a", "509.29", "1.79"],
+    ]
     calls = []
     monkeypatch.setattr(kl.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
     monkeypatch.setattr(kl, "ncu_csv", lambda report, page: details if page == "details" else raw)
@@ -754,8 +759,12 @@ def test_kernel_limits_reads_ncu_exports(tmp_path, monkeypatch):
     assert got["duration"] == "385.15 us" and got["DRAM"] == "33.85 %"
     assert got["registers"] == "144 register/thread"
     assert got["stalls"] == "wait 1.55, barrier 0.60"
-    kl.profile("float32:fused_tf32:forward", "nchw", 0, tmp_path, boost=True)
+    assert got["DRAM write"] == "509.29 Mbyte" and got["SM clock"] == "1.79 Ghz"
+    kl.profile("float32:fused_tf32:forward-nograd", "nchw", 0, tmp_path, boost=True, memory=True)
     locked, boost = calls
+    assert boost[boost.index("--metrics") + 1].split(",") == list(kl.MEMORY)
+    assert "--metrics" not in locked and boost[-5:-1] == ["float32", "nchw", "fused_tf32",
+                                                          "forward-nograd"]  # fmt: skip
     assert locked[:3] == ["ncu", "-k", "regex:conv2d_kernel"]
     assert locked[-5:] == ["float32", "nchw", "fused_tf32", "forward", "0"]
     clocks = locked.index("--clock-control")
