@@ -275,15 +275,30 @@ __device__ __forceinline__ Run4 run4(const T* dst, int valid, long long plane) {
   return r;
 }
 
-// The vectors of r (not its rest), where ok.
+// 4 elements of T as their sizeof(T) 32-bit words, in memory order.
 template <typename T>
-__device__ __forceinline__ void store_vectors(T* dst, const T (&e)[4], const Run4& r, bool ok) {
+struct Words4 {
+  u32 w[sizeof(T)];
+};
+
+template <typename T>
+__device__ __forceinline__ Words4<T> words4(const T (&e)[4]) {
   union {
     T e[4];
     u32 w[sizeof(T)];
-  } out;
+  } u;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) out.e[j] = e[j];
+  for (int j = 0; j < 4; ++j) u.e[j] = e[j];
+  Words4<T> out;
+#pragma unroll
+  for (int i = 0; i < (int)sizeof(T); ++i) out.w[i] = u.w[i];
+  return out;
+}
+
+// The vectors of r (not its rest), where ok.
+template <typename T>
+__device__ __forceinline__ void store_vectors(T* dst, const T (&e)[4], const Run4& r, bool ok) {
+  const Words4<T> out = words4(e);
   if (sizeof(T) == 4) {
     if (ok && r.all)
       *reinterpret_cast<uint4*>(dst) = make_uint4(out.w[0], out.w[1], out.w[2], out.w[3]);
@@ -300,6 +315,40 @@ template <bool V>
 struct Flag {
   static constexpr bool value = V;
 };
+
+// A warp's run of one row whose start lies two elements into a vector unit
+// (every other row of the seed's 126-wide output): each lane's 4 values
+// straddle two units, and as two half-vector stores each store instruction
+// spread its pieces over all of the run's sectors. Instead lane g (of the 8 with equal t,
+// holding positions 4 g .. 4 g + 3) stores the whole unit its last two
+// values open, completed by lane g + 1's first two (a shuffle), lane 0 also
+// its first two and lane 7 its last two: aligned vectors, the same two
+// store instructions. `valid`: the lane's valid elements (0, 2 or 4 here:
+// such rows are 2 mod 4 elements wide, so a lane with 4 is followed by one
+// with at least 2, and lane 0 never needs both of its half-vectors),
+// `next_valid` lane g + 1's; every lane must call it (the shuffles). Taken
+// for float32 only (epilogue_wgmma_nchw): 16-bit outputs were slower with it
+// in a first version.
+template <typename T>
+__device__ __forceinline__ void store_shifted(T* dst, const T (&e)[4], int g, int valid,
+                                              int next_valid, bool ok) {
+  const Words4<T> out = words4(e);
+  const bool lead = g == 0 && valid >= 2, trail = g == 7 && valid == 4;
+  const bool whole = ok && g < 7 && valid == 4 && next_valid >= 2;
+  if (sizeof(T) == 4) {
+    const u32 n0 = __shfl_down_sync(0xffffffffu, out.w[0], 4);
+    const u32 n1 = __shfl_down_sync(0xffffffffu, out.w[1], 4);
+    if (whole) *reinterpret_cast<uint4*>(dst + 2) = make_uint4(out.w[2], out.w[3], n0, n1);
+    if (ok && (lead || trail))
+      *reinterpret_cast<uint2*>(lead ? dst : dst + 2) =
+          lead ? make_uint2(out.w[0], out.w[1]) : make_uint2(out.w[2], out.w[3]);
+  } else {
+    const u32 n = __shfl_down_sync(0xffffffffu, out.w[0], 4);
+    if (whole) *reinterpret_cast<uint2*>(dst + 2) = make_uint2(out.w[1], n);
+    if (ok && (lead || trail))
+      *reinterpret_cast<u32*>(lead ? dst : dst + 2) = lead ? out.w[0] : out.w[1];
+  }
+}
 
 // One output element from its convolution sum a: rounded to T (the
 // convolution's output), plus the bias b (if `has_bias`), through op.forward.
@@ -544,6 +593,12 @@ __device__ __forceinline__ void epilogue_wgmma_nchw(const float (&acc)[2][32], c
   T* yc = y + ((long long)at.n * p.cout + tile_n + 2 * t) * out_plane +
           (long long)(at.oh0 + row) * p.ow + at.ow0 + col;
   const Run4 how = run4(yc, valid, out_plane);
+  const int next_valid = __shfl_down_sync(0xffffffffu, valid, 4);  // lane g + 1's
+  // float32, one row per warp (C = 128) starting two elements into a vector
+  // unit: store_shifted's aligned vectors (a warp-wide choice).
+  const bool shifted = __all_sync(0xffffffffu, sizeof(T) == 4 && p.c_log2 == 7 &&
+                                                   (out_plane & 3) == 0 &&
+                                                   ((u64)yc & 15) == 8);
   u32 word[2] = {0u, 0u};
   auto channels = [&](auto vectors) {
 #pragma unroll
@@ -560,7 +615,9 @@ __device__ __forceinline__ void epilogue_wgmma_nchw(const float (&acc)[2][32], c
           v[q] = epilogue_value(acc[q >> 1][4 * j + 2 * (q & 1) + s], op, has_bias, b, alpha, bit);
           bits |= (u32)bit << q;
         }
-        if (decltype(vectors)::value)
+        if (decltype(vectors)::value && shifted)
+          store_shifted(yc, v, g, valid, next_valid, c_ok);
+        else if (decltype(vectors)::value)
           store_vectors(yc, v, how, c_ok);
         else
           store_n(yc, v, c_ok ? valid : 0);

@@ -196,6 +196,8 @@ def main() -> None:
     ap.add_argument("--forward", action="store_true", help="also the forward kernel")
     ap.add_argument("--only-forward", action="store_true", help="the forward kernel alone")
     ap.add_argument("--padding", type=int, default=0, help="the convolution's (seed: 0)")
+    ap.add_argument("--no-grad", action="store_true",
+                    help="the forward without a gradient (no mask)")  # fmt: skip
     ap.add_argument("--timing", default="ncu", choices=["ncu", "events"],
                     help="ncu: Nsight's duration, clocks locked near base; events: CUDA "
                     "events at the GPU's own clocks, EVENT_CALLS calls per timing")  # fmt: skip
@@ -215,9 +217,8 @@ def main() -> None:
                   args)  # fmt: skip
         if args.forward or args.only_forward:
             fwd = {k: v for k, v in dirs.items() if k not in ("no dy", "no dy, x")}
-            table(
-                f"conv2d_kernel (forward), {args.algorithm}", fwd, "conv2d_kernel", "forward", args
-            )
+            what = "forward-nograd" if args.no_grad else "forward"
+            table(f"conv2d_kernel ({what}), {args.algorithm}", fwd, "conv2d_kernel", what, args)
 
 
 if __name__ == "__main__":

@@ -874,3 +874,11 @@ def test_wgrad_probe_events_timing_reads_the_childs_median(monkeypatch):
     out = "nothing\n"
     with pytest.raises(SystemExit, match="boom"):
         probe.events_us(ROOT, args)
+    # --no-grad: the children run the forward without a gradient
+    asked = []
+    monkeypatch.setattr(probe, "events_us", lambda where, cargs: asked.append(cargs) or 1.0)
+    argv = ["wgrad_probe.py", "--only-forward", "--no-grad", "--timing", "events",
+            "--variants", "kernel", "--repeats", "1", "--dtypes", "float32"]  # fmt: skip
+    monkeypatch.setattr(probe.sys, "argv", argv)
+    probe.main()
+    assert asked == [["float32", "nchw", "fused", "forward-nograd", "0"]]
