@@ -717,8 +717,7 @@ def forward_launch(
     weights in shared memory when one chunk holds every channel, and on
     sm_90a one-row tiles' patch as a ring of rows."""
     n_passes = passes(dtype, precision)
-    tmap_on = FORWARD_TMAP and _tensormap.available()
-    key = (device, dtype, n_passes, channels_last, g, tmap_on)
+    key = (device, dtype, n_passes, channels_last, g, FORWARD_TMAP and _tensormap.available())
     run = _forward_launches.get(key)
     if run is not None:
         return run
@@ -735,7 +734,8 @@ def forward_launch(
         return _prepared(k, grid, tl.smem, _params(g, tl, 0, 0, 0, per_block, 0))
 
     tmap = x_map = None
-    if tmap_on and ks.tmap is not None and _tmap_fits(g, tl, n_passes, itemsize, sm):
+    # forward_tmap's rule, but for x's alignment (checked per call)
+    if ks.tmap is not None and forward_tmap(g, tl, n_passes, itemsize, 0, sm):
         tmap, x_map = prepared(ks.tmap), _x_map(g, tl, itemsize)
     run = ForwardLaunch(prepared(ks.main), tmap, x_map)
     if len(_forward_launches) >= 256:
@@ -1073,11 +1073,7 @@ FINISH_OUTPUTS = 32
 
 
 def launch_wgrad(
-    device: int,
-    dtype: str,
-    channels_last: bool,
-    g: Geometry,
-    plan: WgradPlan,
+    run: WgradLaunch,
     stream: int,
     x: int,
     dy: int,
@@ -1092,10 +1088,9 @@ def launch_wgrad(
     """gw (and gb if ``gb``) of ``leaky_relu((conv2d(x, w) + bias) / divisor)``
     from dy and the forward's mask: x, dy and the mask dense in one layout
     (NCHW or NHWC, the mask in dy's memory order), gw OIHW, ``part`` a float32
-    buffer of ``plan.part_floats`` (``plan`` this geometry's ``wgrad_plan``).
-    Every element of gw and gb is written."""
+    buffer of ``run.plan.part_floats`` (``run`` this geometry's
+    ``wgrad_launch``). Every element of gw and gb is written."""
     slope, scale = _scalars(negative_slope, divisor, fname)
-    run = wgrad_launch(device, dtype, "tf32" if plan.n_passes == 1 else "fp32", channels_last, g)
     run(stream, x, dy, mask, gw, gb, part, slope, scale)
 
 

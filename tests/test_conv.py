@@ -598,6 +598,69 @@ def test_prepared_params_take_each_calls_addresses_and_scalars():
         assert f[31:] == (base + 5, base + 6, base + 7, 11, 13)
 
 
+def _record_launches(monkeypatch, sm: int = 90) -> list:
+    """Fake kernels and driver calls for the prepared launches (no GPU): each
+    launch is recorded as (CUfunction, grid, smem, ConvParams as unpacked, the
+    tensor map's address or None)."""
+    import ctypes
+
+    launched = []
+
+    def run(ptr, ctx, grid, threads, stream, argv, smem=0):
+        desc = None
+        if argv != _conv._scratch.argv_ptr:  # (params, map) as the kernel's two parameters
+            params, desc = (ctypes.c_void_p * 2).from_address(argv)
+            assert params == ctypes.addressof(_conv._scratch.buf)
+        launched.append((ptr, grid, smem, _conv._PARAMS.unpack(_conv._scratch.buf.raw), desc))
+
+    class FakeMap:
+        def at(self, address):
+            return (b"", 0xD0 + address % 16)
+
+    monkeypatch.setattr(_conv._launch, "run", run)
+    monkeypatch.setattr(_conv, "_sm", lambda device: sm)
+    monkeypatch.setattr(_conv, "_blocks", lambda device, k, smem: 3 * 132)
+    monkeypatch.setattr(_conv, "_allow_smem", lambda k, nbytes: None)
+    monkeypatch.setattr(_conv._tensormap, "available", lambda: True)
+    monkeypatch.setattr(_conv, "_x_map", lambda *args: FakeMap())
+    monkeypatch.setattr(_conv, "_dy_map", lambda *args: FakeMap())
+    monkeypatch.setattr(_conv, "_forward_launches", {})
+    monkeypatch.setattr(_conv, "_wgrad_plans", {})
+    return launched
+
+
+def test_forward_launch_picks_its_kernel_per_call(monkeypatch):
+    """_conv.launch through the prepared launch (fake kernels, no GPU): the
+    tensor-copy kernel (even CUfunction, with x's map as its second
+    parameter) where forward_tmap allows it for this x, else the other; the
+    persistent grid covers every tile; the call's addresses and scalars in
+    ConvParams; an empty output launches nothing."""
+    launched = _record_launches(monkeypatch)
+    kernels = _conv.ForwardKernels(_conv.ConvKernel(1, 7, None), _conv.ConvKernel(2, 7, None))
+    monkeypatch.setattr(_conv, "kernel", lambda *args: kernels)
+    seed = _conv.geometry("f", (128, 8, 128, 128), (64, 8, 3, 3))
+    slope, scale = _conv._scalars(0.01, 2.0, "f")
+
+    def go(g, x, precision="fp32"):
+        launched.clear()
+        _conv.launch(0, "float32", precision, False, g, 5, x, 16, 32, 48, 64, 0.01, 2.0, "f")
+        return launched
+
+    for x, ptr in ((256, 2), (264, 1)):
+        ((got, grid, smem, f, desc),) = go(seed, x)
+        t = _conv.launch_tiling(seed, 3, True)
+        assert got == ptr and smem == t.smem and desc == (0xD0 if ptr == 2 else None)
+        assert f[:5] == (x, 16, 32, 48, 64) and f[28:30] == (slope, scale)
+        assert grid[1] == 1 and grid[0] * f[-2] >= seed.n * t.tiles_h * t.tiles_w
+        assert (grid[0] - 1) * f[-2] < seed.n * t.tiles_h * t.tiles_w
+    assert go(seed, 256, "tf32")[0][0] == 2
+    odd = _conv.geometry("f", *WIDE_CASES[2])  # 133 columns: no whole 16-byte rows
+    assert go(odd, 256)[0][0] == 1
+    monkeypatch.setattr(_conv, "FORWARD_TMAP", False)
+    assert go(seed, 256)[0][0] == 1
+    assert go(_conv.geometry("f", (0, 8, 128, 128), (64, 8, 3, 3)), 256) == []
+
+
 def test_kernel_scalars_keep_the_sign_of_a_zero_slope():
     """_conv._scalars keeps rounded scalars per value, but 0.0 and -0.0 are
     equal keys with different results (x * -0.0 is +0.0 for negative x):

@@ -29,6 +29,7 @@ from test_conv import (  # noqa: E402
     SLOPE,
     WIDE_CASES,
     _layout,
+    _record_launches,
     _xwb,
 )
 
@@ -401,6 +402,42 @@ WG_CASES = [
     ((20, 6, 66, 130), (33, 6, 3, 3), 1, 0, 1),
     ((2, 16, 7, 97), (64, 16, 3, 3), 1, 2, 1),
 ]
+
+
+def test_wgrad_launch_picks_its_kernel_per_call(monkeypatch):
+    """_conv.launch_wgrad through the prepared launch (fake kernels, no GPU),
+    at the seed shape on compute capability 9.0 (the warpgroup kernel): dy
+    by tensor copies (its map the second parameter) where dy and the mask
+    are 16-byte aligned, else by plain loads; by bulk copies where the
+    driver encodes no maps; the final sum with or without the bias's row;
+    no positions: only the final sum, over zero splits."""
+    launched = _record_launches(monkeypatch)
+    k = [_conv.ConvKernel(p, 7, None) for p in range(10, 17)]
+    kernels = _conv.WgradKernels(k[0], k[1], k[2], k[3], (k[4], k[5], k[6]))
+    monkeypatch.setattr(_conv, "wgrad_kernels", lambda *args: kernels)
+    g = _conv.geometry("f", (128, 8, 128, 128), (64, 8, 3, 3))
+
+    def go(g, dy, mask, gb, cl=False):
+        launched.clear()
+        run = _conv.wgrad_launch(0, "float32", "fp32", cl, g)
+        _conv.launch_wgrad(run, 5, 16, dy, mask, 48, gb, 80, 0.01, 2.0, "f")
+        return run, [(ptr, grid, desc) for ptr, grid, smem, f, desc in launched], launched
+
+    run, got, raw = go(g, 256, 512, 64)
+    outputs = 64 * (72 + 1)
+    assert got == [(16, run.plan.grid, 0xD0), (13, (-(-outputs // 32), 1), None)]
+    f = raw[0][3]
+    assert f[0] == 16 and f[3:5] == (256, 512) and f[31:34] == (48, 64, 80)
+    assert f[34:] == (run.plan.tiles_per_split, run.plan.splits)
+    assert [p for p, *_ in go(g, 264, 512, 0)[1]] == [14, 13]
+    assert go(g, 264, 512, 0)[1][1][1] == (-(-64 * 72 // 32), 1)  # no bias row
+    assert [p for p, *_ in go(g, 256, 520, 64)[1]] == [14, 13]
+    monkeypatch.setattr(_conv, "_wgrad_plans", {})
+    monkeypatch.setattr(_conv._tensormap, "available", lambda: False)
+    assert [(p, d) for p, _, d in go(g, 256, 512, 64)[1]] == [(15, None), (13, None)]
+    empty = _conv.geometry("f", (0, 8, 128, 128), (64, 8, 3, 3))
+    run, got, raw = go(empty, 256, 512, 64)
+    assert [p for p, *_ in got] == [13] and raw[0][3][-1] == 0
 
 
 def test_warpgroup_kernel_takes_3x3_unit_stride_one_row_tiles():

@@ -144,10 +144,9 @@ def fused_wgrad(
     part = torch.empty(run.plan.part_floats, dtype=torch.float32, device=x.device)
     gw = torch.empty(tuple(weight_shape), dtype=x.dtype, device=x.device)
     gb = x.new_empty(g.cout if with_bias else 0)
-    slope, scale = _conv._scalars(slope, divisor, FNAME)
-    run(
-        _impl._raw_stream(dev), x.data_ptr(), gy.data_ptr(), mask.data_ptr(), gw.data_ptr(),
-        gb.data_ptr() if with_bias else 0, part.data_ptr(), slope, scale,
+    _conv.launch_wgrad(
+        run, _impl._raw_stream(dev), x.data_ptr(), gy.data_ptr(), mask.data_ptr(), gw.data_ptr(),
+        gb.data_ptr() if with_bias else 0, part.data_ptr(), slope, divisor, FNAME,
     )  # fmt: skip
     return gw, gb
 
@@ -429,13 +428,6 @@ def _padding(padding, weight: Tensor, dilation, stride):
     return (total[0] // 2, total[1] // 2)
 
 
-def _fusable(x: Tensor, weight: Tensor, pad, stride, dilation, tf32: bool = False) -> bool:
-    if not (x.is_cuda and x.dtype in _FUSED_DTYPES) or pad is None:
-        return False
-    g = _conv.geometry(FNAME, x.shape, weight.shape, stride, pad, dilation)
-    return _conv.fits(g, _conv.passes(_impl.DTYPE_NAMES[x.dtype], "tf32" if tf32 else "fp32"))
-
-
 def _check(x, weight, bias, divisor, slope, algorithm) -> None:
     for name, t in (("input", x), ("weight", weight)):
         if not isinstance(t, Tensor):
@@ -551,7 +543,7 @@ def conv2d_div_leaky_relu(
     needs_grad = torch.is_grad_enabled() and any(grads)
     if algorithm == "auto":
         algorithm = _choose(
-            input, weight, bias, divisor, negative_slope, stride, c.pad, dilation, padding,
+            input, weight, bias, divisor, negative_slope, stride, c, dilation, padding,
             allow_tf32, grads if needs_grad else None,
         )  # fmt: skip
     tf32 = algorithm == "fused_tf32"
@@ -657,13 +649,14 @@ def candidates(dtype: torch.dtype, allow_tf32: bool) -> tuple[str, ...]:
 
 
 def _choose(
-    x, weight, bias, divisor, slope, stride, pad, dilation, padding, allow_tf32, grads
+    x, weight, bias, divisor, slope, stride, checked, dilation, padding, allow_tf32, grads
 ) -> str:
     """The cached or newly measured fastest candidate for this call's shape:
     forward alone (``grads`` None), or forward and backward for the inputs
     that need a gradient (``grads``: which of x, weight, bias; each set is a
     choice of its own, since the backward's kernels differ: a first layer,
-    whose x needs none, skips the input gradient)."""
+    whose x needs none, skips the input gradient). ``checked``: the call's
+    ``_checked``, which says where the fused kernel runs."""
     if not x.is_cuda:
         return "exact"
     key = (
@@ -683,10 +676,7 @@ def _choose(
     choice = _choices.get(key)
     if choice is not None:
         return choice
-    fusable = {
-        "fused": _fusable(x, weight, pad, stride, dilation),
-        "fused_tf32": _fusable(x, weight, pad, stride, dilation, tf32=True),
-    }
+    fusable = dict(zip(("fused", "fused_tf32"), checked.fusable))
     # No timing while compiling or capturing a graph: the fused kernel, if it applies.
     if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return "fused" if fusable["fused"] else "exact"
