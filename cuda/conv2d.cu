@@ -593,12 +593,14 @@ __device__ __forceinline__ void epilogue_wgmma_nchw(const float (&acc)[2][32], c
   T* yc = y + ((long long)at.n * p.cout + tile_n + 2 * t) * out_plane +
           (long long)(at.oh0 + row) * p.ow + at.ow0 + col;
   const Run4 how = run4(yc, valid, out_plane);
-  const int next_valid = __shfl_down_sync(0xffffffffu, valid, 4);  // lane g + 1's
   // float32, one row per warp (C = 128) starting two elements into a vector
-  // unit: store_shifted's aligned vectors (a warp-wide choice).
-  const bool shifted = __all_sync(0xffffffffu, sizeof(T) == 4 && p.c_log2 == 7 &&
-                                                   (out_plane & 3) == 0 &&
-                                                   ((u64)yc & 15) == 8);
+  // unit: store_shifted's aligned vectors (a warp-wide choice). For 16-bit
+  // types neither the vote nor the shuffle is emitted (a constant condition
+  // does not remove a warp-wide intrinsic).
+  constexpr bool kShifts = sizeof(T) == 4;
+  const int next_valid = kShifts ? __shfl_down_sync(0xffffffffu, valid, 4) : 0;  // lane g + 1's
+  const bool shifted = kShifts && __all_sync(0xffffffffu, p.c_log2 == 7 && (out_plane & 3) == 0 &&
+                                                              ((u64)yc & 15) == 8);
   u32 word[2] = {0u, 0u};
   auto channels = [&](auto vectors) {
 #pragma unroll

@@ -33,6 +33,14 @@
 // is one tile. The accumulators of positions past dz's edge hold products
 // of zeros and are never read; channels past cout have zero weights.
 //
+// dy and the mask reach the MMAs one of two ways. kStaged (dy pairs in
+// single loads: _conv.dgrad_staged): each thread copies the dy pairs and mask
+// words it will read, kDgradStages - 1 depth steps ahead, into its own slots
+// of shared memory by cp.async (zero-filled where an element does not
+// exist): copies in flight hold no registers, and no thread reads another's
+// slots, so no barrier. Else plain predicated loads into registers, one step
+// ahead (three passes: the next row's first step too).
+//
 // Precision as the forward's: 3xTF32 for float32 ("fp32", products within
 // 5 * 2^-22 |a b|), one TF32 pass otherwise (exact for 16-bit dz and
 // weights), float32 sums; non-finite values as split() says. Deterministic:
@@ -47,6 +55,7 @@ constexpr int kDgradTaps = 9;           // 3 x 3
 constexpr int kDgradCols = 128;         // dz positions of a block's row
 constexpr int kDgradStride = kDgradCols - 2;  // column tiles share kw - 1 dz columns
 constexpr int kDgradRS = 25;            // words per position of the row sums: 3 x 8, + 1 (odd)
+constexpr int kDgradStages = 4;         // kStaged: depth steps in shared memory (3 ahead)
 
 template <int V>
 struct Phase {
@@ -100,6 +109,25 @@ __device__ __forceinline__ void load_pair(DzPair<T>& q, const T* dy, const u32* 
   }
 }
 
+// Asynchronous copy of kBytes (4 or 8) from src to shared address dst, of
+// which the first `src_bytes` (kBytes or 0) are read and the rest zero-filled
+// (no access at src when 0). Completes by cp_async_wait.
+template <int kBytes>
+__device__ __forceinline__ void cp_async(u32 dst, const void* src, u32 src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;"
+               :: "r"(dst), "l"(src), "n"(kBytes), "r"(src_bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// Until at most N of this thread's most recent copy groups are pending.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+}
+
 // The pair's dz values as floats, split into TF32 parts (big, small).
 template <typename T, int kPasses>
 __device__ __forceinline__ void form(const DzPair<T>& q, const DivLeakyRelu<T>& op, u32 (&big)[2],
@@ -110,7 +138,7 @@ __device__ __forceinline__ void form(const DzPair<T>& q, const DivLeakyRelu<T>& 
     split<kPasses>(Num<T>::to_op(op.backward(q.d[j], (bits >> j) & 1u)), big[j], small[j]);
 }
 
-template <typename T, int kPasses, bool kChannelsLast>
+template <typename T, int kPasses, bool kChannelsLast, bool kStaged>
 __global__ void __launch_bounds__(kConvThreads, 3) conv2d_dgrad_kernel(const ConvParams p) {
   static_assert(kPasses == 1 || kPasses == 3, "one TF32 pass or the 3xTF32 split");
   constexpr int kParts = kPasses == 3 ? 2 : 1;
@@ -126,9 +154,16 @@ __global__ void __launch_bounds__(kConvThreads, 3) conv2d_dgrad_kernel(const Con
 
   // Shared memory (see _conv.dgrad_smem): the weights, [step][tap][lane][2]
   // words per part (big, then small at + part), in B fragment order | the
-  // finished row's sums, [128][kDgradRS] floats.
+  // finished row's sums, [128][kDgradRS] floats | kStaged: per stage, the
+  // dy pairs [4][128 threads] then their mask words [4][128 threads].
   u32* ws = reinterpret_cast<u32*>(smem);
   float* rs = smem + kParts * part;
+  constexpr u32 kPair = 2 * sizeof(T);
+  constexpr u32 kStageBytes = 4 * kConvThreads * (kPair + 4);
+  char* stages = reinterpret_cast<char*>(rs + kDgradCols * kDgradRS);
+  // this thread's slot j (0 .. 3) of a stage: its dy pair and its mask word
+  auto pair_slot = [&](int j) { return (j * kConvThreads + tid) * kPair; };
+  auto word_slot = [&](int j) { return 4 * kConvThreads * kPair + (j * kConvThreads + tid) * 4; };
   // B[k][n] of step kk and tap (r, s): k = t, t + 4 the channels co = 8 kk + t,
   // + 4 (NHWC: 8 kk + 2t, + 1, the channels a thread's dz pair holds), n = g
   // the input channel ci0 + g.
@@ -157,9 +192,10 @@ __global__ void __launch_bounds__(kConvThreads, 3) conv2d_dgrad_kernel(const Con
   const long long u_first = (long long)blockIdx.x * p.tiles_per_split;
   const long long u_end = min(units, u_first + p.tiles_per_split);
   const int nci = min(8, p.cin - ci0);  // this block's input channels
-  // One load per dz pair: pairs are consecutive elements at even offsets.
-  const bool vec = (kChannelsLast ? (p.cout & 1) == 0 : (p.ow & 1) == 0) &&
-                   ((u64)dy & (2 * sizeof(T) - 1)) == 0;
+  // One load per dz pair: pairs are consecutive elements at even offsets
+  // (always so where kStaged).
+  const bool vec = kStaged || ((kChannelsLast ? (p.cout & 1) == 0 : (p.ow & 1) == 0) &&
+                               ((u64)dy & (2 * sizeof(T) - 1)) == 0);
 
   float acc[3][2][3][4];  // [input row set][row tile i][s][fragment]
 
@@ -186,6 +222,25 @@ __global__ void __launch_bounds__(kConvThreads, 3) conv2d_dgrad_kernel(const Con
     // This thread's dz pairs (i, h) at depth step kk of row oh: element
     // indices, and whether each element exists.
     const int pos0 = z0 + warp * 32 + (kChannelsLast ? g : 2 * g);
+    // Element (i, h) of the pair at depth step kk of row oh: its index, and
+    // whether its first (ok0) and second (ok1) elements exist.
+    auto element = [&](int oh, int kk, int i, int h, bool& ok0, bool& ok1) {
+      const int co0 = kk * 8 + (kChannelsLast ? 2 * t : t);
+      const long long e00 =
+          kChannelsLast ? (((long long)n * p.oh + oh) * p.ow + pos0) * p.cout + co0
+                        : (((long long)n * p.cout + co0) * p.oh + oh) * (long long)p.ow + pos0;
+      if (kChannelsLast) {  // position pos0 + 16i + 8h, channels co0, co0 + 1
+        const bool pos_ok = pos0 + 16 * i + 8 * h < p.ow;
+        ok0 = pos_ok && co0 < p.cout;
+        ok1 = pos_ok && co0 + 1 < p.cout;
+        return e00 + (16 * i + 8 * h) * p.cout;
+      }
+      // positions pos0 + 16i, + 1, channel co0 + 4h
+      const bool co_ok = co0 + 4 * h < p.cout;
+      ok0 = co_ok && pos0 + 16 * i < p.ow;
+      ok1 = co_ok && pos0 + 16 * i + 1 < p.ow;
+      return e00 + 16 * i + (h ? 4 * out_plane : 0);
+    };
     auto load_with = [&](auto vec_c, DzPair<T> (&q)[2][2], int oh, int kk) {
       constexpr bool kVec = decltype(vec_c)::value == 1;
       const int co0 = kk * 8 + (kChannelsLast ? 2 * t : t);
@@ -221,19 +276,76 @@ __global__ void __launch_bounds__(kConvThreads, 3) conv2d_dgrad_kernel(const Con
     DzPair<T> next[2][2];
     bool preloaded = false;  // next holds step 0 of the row about to run
 
+    // kStaged: the copies run kDgradStages - 1 steps ahead of the MMAs over
+    // the same sequence of (row, step): dz rows inside dz from the stretch's
+    // first on, steps 0 .. nk - 1 each. One copy group per step (empty past
+    // the stretch's last), step c in stage c % kDgradStages.
+    int copy_oh = max(ih_a + p.ph - 2, 0), copy_kk = 0, copied = 0, used = 0;
+    const int copy_end = min(oh_last, p.oh - 1);
+    auto copy_next = [&]() {
+      if (copy_oh <= copy_end) {
+        const u32 at =
+            (u32)__cvta_generic_to_shared(stages) + (copied & (kDgradStages - 1)) * kStageBytes;
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            bool ok0, ok1;  // equal here (vec)
+            const long long e = element(copy_oh, copy_kk, i, h, ok0, ok1);
+            cp_async<kPair>(at + pair_slot(2 * i + h), ok0 ? dy + e : dy, ok0 ? kPair : 0);
+            cp_async<4>(at + word_slot(2 * i + h), ok0 ? p.mask + (e >> 5) : p.mask, ok0 ? 4 : 0);
+          }
+        if (++copy_kk == nk) copy_kk = 0, ++copy_oh;
+        ++copied;
+      }
+      cp_async_commit();
+    };
+    // The pairs of step kk of row oh from their stage (copied by this thread).
+    auto staged = [&](DzPair<T> (&q)[2][2], int oh, int kk) {
+      copy_next();
+      cp_async_wait<kDgradStages - 1>();
+      const char* at = stages + (used & (kDgradStages - 1)) * kStageBytes;
+      ++used;
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          bool ok0, ok1;
+          const long long e = element(oh, kk, i, h, ok0, ok1);
+          const int j = 2 * i + h;
+          union {
+            T e[2];
+            u32 w[2];
+          } d;
+          if (sizeof(T) == 4) {
+            const uint2 v = *reinterpret_cast<const uint2*>(at + pair_slot(j));
+            d.w[0] = v.x, d.w[1] = v.y;
+          } else {
+            d.w[0] = *reinterpret_cast<const u32*>(at + pair_slot(j));
+          }
+          q[i][h].d[0] = d.e[0], q[i][h].d[1] = d.e[1];
+          q[i][h].lo = *reinterpret_cast<const u32*>(at + word_slot(j));
+          q[i][h].hi = 0u;
+          q[i][h].sh = (int)(e & 31);
+        }
+    };
+    if (kStaged)
+      for (int c = 0; c + 1 < kDgradStages; ++c) copy_next();
+
     // Row oh of dz into the ring (phase U: the set of input row oh - ph + r
     // is (U + r) % 3), then input row oh - ph out if this stretch owns it.
     auto row = [&](auto phase, int oh) {
       constexpr int U = decltype(phase)::value;
       if ((unsigned)oh < (unsigned)p.oh) {  // (rows outside dz add nothing)
-        if (!preloaded) load_step(next, oh, 0);
+        if (!kStaged && !preloaded) load_step(next, oh, 0);
         // With three passes, step 0 of the next row is loaded during this
         // row's last MMAs and stays in flight while this row's input row
         // goes out (one pass: ptxas then spills at 168 registers).
-        const bool more = kPasses == 3 && oh + 1 <= oh_last && oh + 1 < p.oh;
+        const bool more = !kStaged && kPasses == 3 && oh + 1 <= oh_last && oh + 1 < p.oh;
 #pragma unroll 1
         for (int kk = 0; kk < nk; ++kk) {
           u32 a[2][2][4];  // [part][row tile][fragment]
+          if (kStaged) staged(next, oh, kk);
 #pragma unroll
           for (int i = 0; i < 2; ++i)
 #pragma unroll
@@ -246,7 +358,7 @@ __global__ void __launch_bounds__(kConvThreads, 3) conv2d_dgrad_kernel(const Con
               a[0][i][f0] = big[0], a[0][i][f1] = big[1];
               a[1][i][f0] = small[0], a[1][i][f1] = small[1];
             }
-          if (kk + 1 < nk || more)  // in flight during the MMAs
+          if (!kStaged && (kk + 1 < nk || more))  // in flight during the MMAs
             load_step(next, kk + 1 < nk ? oh : oh + 1, kk + 1 < nk ? kk + 1 : 0);
           // Taps in groups of three (one r, one set): each pass's MMAs over a
           // group are six independent accumulators back to back.
@@ -281,8 +393,8 @@ __global__ void __launch_bounds__(kConvThreads, 3) conv2d_dgrad_kernel(const Con
           }
         }
       }
-      preloaded =
-          kPasses == 3 && (unsigned)oh < (unsigned)p.oh && oh + 1 <= oh_last && oh + 1 < p.oh;
+      preloaded = !kStaged && kPasses == 3 && (unsigned)oh < (unsigned)p.oh && oh + 1 <= oh_last &&
+                  oh + 1 < p.oh;
       const int ih = oh - p.ph;  // complete now (r = 0 was its last term)
       float(&done)[2][3][4] = acc[U];
       if (ih >= ih_a) {

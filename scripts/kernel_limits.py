@@ -5,9 +5,10 @@ issue and memory figures and the top stall reasons, one launch each.
         [--layout nchw] [--padding 0] [--boost] [--memory]
 
 Each config is dtype:algorithm:kernel with kernel "forward" (conv2d_kernel,
-as it trains: with the mask), "forward-nograd" (without) or "wgrad"
+as it trains: with the mask), "forward-nograd" (without), "wgrad"
 (conv2d_wgrad_kernel; on compute capability 9.0 the seed shape
-takes its warpgroup version, conv2d_wgrad_kernel_wg), run at the seed shape
+takes its warpgroup version, conv2d_wgrad_kernel_wg) or "dgrad"
+(conv2d_dgrad_kernel, x's gradient alone), run at the seed shape
 (conv 8->64 3x3 on 128x8x128x128) by ``wgrad_probe.py``'s child under ``ncu`` (which must be on
 PATH; it locks the clocks near base unless --boost leaves them to the GPU, as
 in training). Per config one row: duration, issue slots busy,
@@ -35,6 +36,7 @@ KERNELS = {
     "forward": "conv2d_kernel",
     "forward-nograd": "conv2d_kernel",
     "wgrad": "conv2d_wgrad_kernel",
+    "dgrad": "conv2d_dgrad_kernel",
 }
 SECTIONS = ("SpeedOfLight", "Occupancy", "WarpStateStats", "LaunchStats", "SchedulerStats")
 DEFAULT_CONFIGS = (

@@ -2,8 +2,8 @@
 
     PYTHONPATH=. python scripts/wgrad_probe.py [--dtypes float32 float16]
         [--layouts nchw nhwc] [--algorithm fused] [--repeats 2]
-        [--variants kernel "no dy" "no dy, x"] [--base DIR ...] [--forward | --only-forward]
-        [--padding 0] [--timing ncu|events]
+        [--variants kernel "no dy" "no dy, x"] [--base DIR ...]
+        [--forward | --only-forward | --only-dgrad] [--padding 0] [--timing ncu|events]
 
 Nsight Compute's duration (``ncu`` must be on PATH; it locks the clocks, so
 the figures compare across variants on a noisy host; ``--timing events``:
@@ -26,7 +26,8 @@ On compute capability 9.0 the seed shape runs ``conv2d_wgrad_kernel_wg``
 (warpgroup MMAs; the regex takes it), which forms dz from copied rows: the
 "no dy" edits do not reach it there, so use ``--variants kernel``.
 --forward adds the forward kernel (``conv2d_kernel``, same shape) for this
-version and the bases; --only-forward times that alone. Rows repeat
+version and the bases; --only-forward times that alone, --only-dgrad the
+input gradient's kernel (``conv2d_dgrad_kernel``) alone. Rows repeat
 ``--repeats`` times, variants interleaved.
 """
 
@@ -90,7 +91,8 @@ def make_copy(edits: list[tuple[str, str]], where: Path) -> Path:
 def child(dtype_name: str, layout: str, algorithm: str, what: str, padding: str,
           timing: str = "ncu") -> None:  # fmt: skip
     """Run the seed shape's weight gradient (or forward; "forward-nograd": the
-    forward without a gradient, so without a mask) three times (ncu times the
+    forward without a gradient, so without a mask; "dgrad": the input gradient
+    alone, x's gradient only) three times (ncu times the
     second); with ``timing`` "events", print its median CUDA-event time
     instead (EVENT_TIMINGS timings of EVENT_CALLS back-to-back calls each, at
     the GPU's own clocks)."""
@@ -103,8 +105,9 @@ def child(dtype_name: str, layout: str, algorithm: str, what: str, padding: str,
     x = torch.randn(128, 8, 128, 128, device="cuda", dtype=dt)
     if layout == "nhwc":
         x = x.contiguous(memory_format=torch.channels_last)
-    w = (torch.randn(64, 8, 3, 3, device="cuda", dtype=dt) * 0.1).requires_grad_()
-    b = torch.randn(64, device="cuda", dtype=dt).requires_grad_()
+    x.requires_grad_(what == "dgrad")
+    w = (torch.randn(64, 8, 3, 3, device="cuda", dtype=dt) * 0.1).requires_grad_(what != "dgrad")
+    b = torch.randn(64, device="cuda", dtype=dt).requires_grad_(what != "dgrad")
     pad = int(padding)
     y = ct.conv2d_div_leaky_relu(x, w, b, 2.0, 0.01, 1, pad, algorithm=algorithm)
     gy = torch.randn_like(y)
@@ -116,6 +119,8 @@ def child(dtype_name: str, layout: str, algorithm: str, what: str, padding: str,
         elif what == "forward-nograd":  # no mask
             with torch.no_grad():
                 ct.conv2d_div_leaky_relu(x, w, b, 2.0, 0.01, 1, pad, algorithm=algorithm)
+        elif what == "dgrad":
+            torch.autograd.grad(y, (x,), gy, retain_graph=True)
         else:
             torch.autograd.grad(y, (w, b), gy, retain_graph=True)
 
@@ -195,6 +200,8 @@ def main() -> None:
                     help="other versions' cupy_act/ and cuda/")  # fmt: skip
     ap.add_argument("--forward", action="store_true", help="also the forward kernel")
     ap.add_argument("--only-forward", action="store_true", help="the forward kernel alone")
+    ap.add_argument("--only-dgrad", action="store_true",
+                    help="the input-gradient kernel alone")  # fmt: skip
     ap.add_argument("--padding", type=int, default=0, help="the convolution's (seed: 0)")
     ap.add_argument("--no-grad", action="store_true",
                     help="the forward without a gradient (no mask)")  # fmt: skip
@@ -212,7 +219,11 @@ def main() -> None:
             dirs[base.name] = base.resolve()
         for i, name in enumerate(args.variants):
             dirs[name] = make_copy(VARIANTS[name], Path(tmp) / str(i))
-        if not args.only_forward:
+        if args.only_dgrad:
+            dg = {k: v for k, v in dirs.items() if k not in ("no dy", "no dy, x")}
+            table(f"conv2d_dgrad_kernel, {args.algorithm}", dg, "conv2d_dgrad_kernel", "dgrad",
+                  args)  # fmt: skip
+        elif not args.only_forward:
             table(f"conv2d_wgrad_kernel, {args.algorithm}", dirs, "conv2d_wgrad_kernel", "wgrad",
                   args)  # fmt: skip
         if args.forward or args.only_forward:

@@ -125,6 +125,63 @@ def test_fused_input_gradient_switch(setting, cin, ks, stride, expected, monkeyp
     assert conv._dgrad_fits(x, w, [stride] * 2, [1, 1], [1, 1], False) is expected
 
 
+def test_staged_kernel_where_pairs_and_shared_memory_allow():
+    """dgrad_staged: 16-bit NCHW (where it measured faster), rows of even
+    width (dy's pairs consecutive elements at even offsets) and the stages
+    in shared memory; the seed shape's staged kernel keeps 3 blocks per SM
+    of an H100 (228 KiB, 1 KiB each reserved); only 16-bit modules have
+    staged kernels, NCHW ones."""
+    seed = _conv.geometry("f", (128, 8, 128, 128), (64, 8, 3, 3))
+    assert _conv.dgrad_staged(seed, 1, False, 2) and not _conv.dgrad_staged(seed, 1, True, 2)
+    assert not _conv.dgrad_staged(seed, 3, False, 4) and not _conv.dgrad_staged(seed, 1, False, 4)
+    assert 3 * (_conv.dgrad_smem(seed, 1, 2) + 1024) <= 228 * 1024
+    stages = _conv.DGRAD_STAGES * 128 * 4 * (4 + 4)
+    assert _conv.dgrad_smem(seed, 1, 2) - _conv.dgrad_smem(seed, 1) == stages
+    odd_w = _conv.geometry("f", (1, 3, 9, 11), (6, 3, 3, 3), 1, 0)  # ow 9
+    assert not _conv.dgrad_staged(odd_w, 1, False, 2)
+    big = _conv.geometry("f", (1, 3, 9, 10), (300, 3, 3, 3), 1, 0)  # fits, but not staged
+    assert _conv.dgrad_fits(big, 1) and not _conv.dgrad_staged(big, 1, False, 2)
+    for dtype in _conv.DTYPES:
+        staged = [n for n in _conv.dgrad_kernel_names(dtype) if n.endswith(", true>")]
+        assert all(n.endswith(", false, true>") for n in staged)
+        assert len(staged) == (0 if dtype == "float32" else 1)
+
+
+def test_dgrad_launch_picks_its_kernel_per_call(monkeypatch):
+    """launch_dgrad through the prepared launch (fake kernels, no GPU): the
+    staged kernel where dgrad_staged allows and dy is pair-aligned, else the
+    one by plain loads; both cover every input row with the grid; dx in
+    ConvParams' gradient field; DGRAD_STAGED False never stages; an empty
+    input launches nothing."""
+    from test_conv import _record_launches
+
+    launched = _record_launches(monkeypatch)
+    kernels = _conv.DgradKernels(_conv.ConvKernel(1, 7, None), _conv.ConvKernel(2, 7, None))
+    monkeypatch.setattr(_conv, "dgrad_kernels", lambda *args: kernels)
+    monkeypatch.setattr(_conv, "_dgrad_launches", {})
+    seed = _conv.geometry("f", (128, 8, 128, 128), (64, 8, 3, 3))
+
+    def go(g, dy, dtype="float32"):
+        launched.clear()
+        _conv.launch_dgrad(0, dtype, "fp32", False, g, 5, dy, 32, 48, 64, 0.01, 2.0, "f")
+        return launched
+
+    for dtype, dy, ptr in (("float32", 256, 1), ("float16", 260, 2), ("float16", 258, 1)):
+        ((got, grid, smem, f, desc),) = go(seed, dy, dtype)
+        n_passes = 3 if dtype == "float32" else 1
+        assert got == ptr and desc is None
+        assert smem == _conv.dgrad_smem(seed, n_passes, 2 if ptr == 2 else 0)
+        assert f[:5] == (0, 48, 0, dy, 32)
+        rows = seed.n * seed.h  # one column tile
+        assert grid[1] == 1 and grid[0] * f[-2] >= rows and (grid[0] - 1) * f[-2] < rows
+        assert _conv._GRAD_ADDRESSES.unpack_from(_conv._scratch.buf, _conv._GRADS_AT)[0] == 64
+    odd = _conv.geometry("f", (2, 3, 9, 11), (5, 3, 3, 3), 1, 0)  # ow 9
+    assert go(odd, 256, "float16")[0][0] == 1
+    monkeypatch.setattr(_conv, "DGRAD_STAGED", False)
+    assert go(seed, 256, "float16")[0][0] == 1
+    assert go(_conv.geometry("f", (0, 8, 12, 12), (64, 8, 3, 3)), 256) == []
+
+
 # ---- GPU ----
 
 
@@ -228,6 +285,26 @@ def test_non_finite_values_propagate_as_in_the_reference(cl):
     assert gx.isnan().any() and gx.isinf().any()
     finite = ref.isfinite()
     assert ((gx.double() - ref).abs()[finite] <= tol[finite]).all()
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize(
+    "case", [*range(0, len(CASES), 3), "wide0", "wide3", "wide4"], ids=lambda c: f"c{c}"
+)
+def test_staged_and_plain_loads_give_the_same_bits(case, dtype, monkeypatch):
+    """The staged kernel (16-bit NCHW dy by asynchronous copies, the default
+    where it applies) and the one by plain loads (DGRAD_STAGED False) form
+    the same dz and add it in the same order: the same bits, over odd and
+    even widths (where staging does not apply both take plain loads)."""
+    shape = WIDE_CASES[int(case[4:])] if isinstance(case, str) else CASES[case]
+    x, w, mask, spd, gy, _, tf32 = _inputs(*shape, dtype, "fused", False, 300)
+    got = {}
+    for staged in (True, False):
+        monkeypatch.setattr(_conv, "DGRAD_STAGED", staged)
+        got[staged] = _dgrad(gy, mask, w, x, spd, tf32)
+    assert got[True].isfinite().all()
+    testing.assert_bits_equal(got[True], got[False])
 
 
 @gpu
