@@ -223,7 +223,9 @@ __global__ void __launch_bounds__(kConvThreads, 3) conv2d_dgrad_kernel(const Con
     // indices, and whether each element exists.
     const int pos0 = z0 + warp * 32 + (kChannelsLast ? g : 2 * g);
     // Element (i, h) of the pair at depth step kk of row oh: its index, and
-    // whether its first (ok0) and second (ok1) elements exist.
+    // whether its first (ok0) and second (ok1) elements exist (the staged
+    // copies' and reads' view of load_with's indices, which keep their own
+    // copy: through this lambda the float32 three-pass kernel spilled on sm_80).
     auto element = [&](int oh, int kk, int i, int h, bool& ok0, bool& ok1) {
       const int co0 = kk * 8 + (kChannelsLast ? 2 * t : t);
       const long long e00 =
