@@ -68,23 +68,24 @@ VARIANTS = {
 }
 
 
-# the files the edits may touch: the kernel and the patch copy it shares
-EDITED = ("conv2d_wgrad.cu", "conv2d_tiles.cuh")
+# the files the edits may touch (under the copy's root): the kernel and the
+# patch copy it shares
+EDITED = ("cuda/conv2d_wgrad.cu", "cuda/conv2d_tiles.cuh")
 
 
-def make_copy(edits: list[tuple[str, str]], where: Path) -> Path:
-    """cupy_act/ and cuda/ under ``where`` with ``edits`` applied to the kernel
-    (each text must occur once in EDITED, all files together)."""
+def make_copy(edits: list[tuple[str, str]], where: Path, files: tuple[str, ...] = EDITED) -> Path:
+    """cupy_act/ and cuda/ under ``where`` with ``edits`` applied (each text
+    must occur once in ``files``, all of them together)."""
     shutil.copytree(ROOT / "cupy_act", where / "cupy_act")
     shutil.copytree(ROOT / "cuda", where / "cuda")
-    texts = {name: (where / "cuda" / name).read_text() for name in EDITED}
+    texts = {name: (where / name).read_text() for name in files}
     for old, new in edits:
         if sum(t.count(old) for t in texts.values()) != 1:
             raise SystemExit(f"wgrad_probe: the kernel changed; update the probe's edit of {old!r}")
         name = next(n for n, t in texts.items() if old in t)
         texts[name] = texts[name].replace(old, new)
     for name, text in texts.items():
-        (where / "cuda" / name).write_text(text)
+        (where / name).write_text(text)
     return where
 
 

@@ -919,3 +919,42 @@ def test_wgrad_probe_events_timing_reads_the_childs_median(monkeypatch):
     monkeypatch.setattr(probe.sys, "argv", argv)
     probe.main()
     assert asked == [["float32", "nchw", "fused", "forward-nograd", "0"]]
+
+
+def test_forward_stores_copies_make_their_change(tmp_path, monkeypatch):
+    """scripts/forward_stores.py: every copy's edits find their text exactly
+    once (else the script stops), and each copy's seed-shape forward compiles
+    for sm_90a with the change it names in its PTX."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    from cupy_act import _source
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # (it imports wgrad_probe)
+    path = ROOT / "scripts" / "forward_stores.py"
+    spec = importlib.util.spec_from_file_location("forward_stores", path)
+    fs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fs)
+    ptx = {}
+    for name, where in fs.copies(list(fs.VARIANTS), tmp_path).items():
+        monkeypatch.setattr(_source, "cuda_dir", lambda w=where: w / "cuda")
+        text = _source.assembled_source.__wrapped__(_conv.SOURCE)
+        prog = nvrtc.createProgram(text, "stores.cu", (), ())
+        try:
+            for passes in (1, 3):
+                nvrtc.addNameExpression(prog, f"cupy_act::conv2d_kernel_tmap<float, {passes}>")
+            opts = ("--std=c++17", "-ftz=true", "--device-as-default-execution-space")
+            nvrtc.compileProgram(prog, (*opts, "-arch=compute_90a"))
+            ptx[name] = nvrtc.getPTX(prog).decode()
+        finally:
+            nvrtc.destroyProgram(prog)
+    never = "107374182"  # 2^30 (+ 1): the runtime-false condition of the "no ..." copies
+    assert never not in ptx["kernel"]
+    assert all(never in ptx[v] for v in ("no y stores", "no ring copy", "no MMA"))
+    vec16 = {v: ptx[v].count("st.global.v4") for v in ptx}
+    assert vec16["8-byte stores"] < vec16["kernel"] and "st.global.cs.v4" in ptx["streaming stores"]
+    bulk = ptx["bulk stores"]
+    assert "cp.async.bulk.global.shared::cta.bulk_group" in bulk and "st.global" not in bulk
+    assert ptx["stores to L2"] != ptx["kernel"] != ptx["aligned, to L2"] != ptx["stores to L2"]
+    launch = tmp_path / str(list(fs.VARIANTS).index("bulk stores")) / "cupy_act" / "_conv.py"
+    launch = launch.read_text()
+    assert "+ 32768" in launch

@@ -1,0 +1,286 @@
+"""Where the fused forward's time goes: its output stores against the rest.
+
+    PYTHONPATH=. python scripts/forward_stores.py [--algorithms fused_tf32 fused]
+        [--variants kernel "no y stores" ...] [--repeats 2] [--widths]
+
+The no-grad forward (no mask) of the seed shape (conv 8->64 3x3 on
+128x8x128x128 float32, NCHW), timed by CUDA events at the GPU's own clocks
+(``wgrad_probe.py``'s child: the median of 7 timings of 10 back-to-back
+calls), for this version and for copies of it with one part of the
+warpgroup-MMA kernel (sm_90a) changed or taken out. Timing only: most copies
+compute wrong outputs.
+
+  kernel             cuda/conv2d.cu as it is
+  no y stores        the epilogue's values all formed (XORed into a word the
+                     compiler must keep), none stored
+  stores to L2       every tile stores as before, but into image 0's first 8
+                     + 1 output rows: the same store instructions and
+                     alignment, a footprint the L2 holds (no DRAM writes)
+  aligned, to L2     the same, but rows 128 elements apart and channels 16
+                     rows apart: every warp's 128-byte run of a channel one
+                     whole line (for one-row tiles, C = 128: the seed shape)
+  8-byte stores      each lane's 16-byte stores as two 8-byte ones
+  streaming stores   the 16-byte stores with the evict-first hint (st.global.cs)
+  no ring copy       the ring's new rows not moved from the staging area into
+                     the patch (the tensor copies still come)
+  no MMA             the MMA loop skipped (the epilogue stores zeros' results)
+  bulk stores        one-pass kernels only (skipped for "fused" float32): the
+                     tile's values go to a 32 KB buffer in shared memory, then
+                     one bulk copy per channel row (cp.async.bulk, 16-byte
+                     multiples: a row's odd 8 bytes and the 8-byte shift of
+                     every other 126-wide row are ignored); the region cut
+                     to what it holds, so that with the buffer after the
+                     weights the launch keeps three blocks per SM
+
+Rows repeat ``--repeats`` times, variants interleaved; the minimum and every
+repeat are printed.
+
+--widths instead times this version alone (in this process: CUDA events, the
+GPU kept busy while the host queues, ``testing.median_ms``) at input widths
+126, 128 and 130 (output rows of 124, 126 and 128 float32: 496 bytes, whole
+16-byte units; 504, every other row 8 bytes into one; 512, whole 128-byte
+lines), per call and per output element, the widths interleaved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import wgrad_probe  # scripts/wgrad_probe.py, next to this script
+
+_FILES = ("cuda/conv2d.cu", "cupy_act/_conv.py")
+
+_C_OK = "const bool c_ok = kAllChannels || 8 * j + s < c_left;"
+_NEVER = " && p.n > (1 << 30)"  # false for every real launch, unknown to the compiler
+_VEC16 = "*reinterpret_cast<uint4*>(dst) = make_uint4(out.w[0], out.w[1], out.w[2], out.w[3]);"
+_SHIFT16 = "if (whole) *reinterpret_cast<uint4*>(dst + 2) = make_uint4(out.w[2], out.w[3], n0, n1);"
+_DISPATCH = """  if (__any_sync(0xffffffffu, how.rest))
+    channels(Flag<false>());
+  else
+    channels(Flag<true>());
+"""
+_TILE_BARRIER = (
+    "      __syncthreads();  // the previous MMAs and epilogue are done with shared memory"
+)
+_LAST_MASK = "  if (nchw_mask && tile_first < tile_end) {  // the last tile's mask words"
+_REGION = (
+    "  const int region_alloc = ((region > kEpilogueFloats ? region : kEpilogueFloats) + 3) & ~3;"
+)
+# the buffer's share of the region's tail: the tensor copy's box, its barrier
+# and their alignment fit in 1200 words after the patch, mask words and bias
+_SPARE = 1200
+_BULK_EPILOGUE = r"""  if (false) channels(Flag<true>());
+  {
+    extern __shared__ __align__(16) float smem_all[];
+    u32 dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    T* buf = reinterpret_cast<T*>(reinterpret_cast<char*>(smem_all) + dyn - 32768);
+    const int tid = 32 * warp + 4 * g + t;
+    T* row0 = y + ((long long)at.n * p.cout + tile_n) * out_plane +
+              (long long)at.oh0 * p.ow + at.ow0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        const T b = bias_s<T>(tw)[2 * t + 8 * j + s];
+        T v[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          bool bit;
+          v[q] = epilogue_value(acc[q >> 1][4 * j + 2 * (q & 1) + s], op, has_bias, b, alpha, bit);
+        }
+        const Words4<T> o = words4(v);
+        T* dst = buf + (2 * t + 8 * j + s) * 128 + 32 * warp + 4 * g;
+        if (sizeof(T) == 4)
+          *reinterpret_cast<uint4*>(dst) = make_uint4(o.w[0], o.w[1], o.w[2], o.w[3]);
+        else
+          *reinterpret_cast<uint2*>(dst) = make_uint2(o.w[0], o.w[1]);
+      }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    if (tid < kBN && tile_n + tid < p.cout && at.oh0 < p.oh) {
+      const u64 to = (u64)(row0 + (long long)tid * out_plane) & ~15ull;
+      const u32 from = (u32)__cvta_generic_to_shared(buf + tid * 128);
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                   ::"l"(to), "r"(from), "r"((u32)(p.ow * sizeof(T)) & ~15u) : "memory");
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }
+  }
+"""
+_LAUNCH = """        _allow_smem(k, tl.smem)  # (before the occupancy query)
+        per_block = math.ceil(n_tiles / max(1, _blocks(device, k, tl.smem) // col_tiles))
+        grid = (math.ceil(n_tiles / per_block), col_tiles)
+        return _prepared(k, grid, tl.smem, _params(g, tl, 0, 0, 0, per_block, 0))"""
+_BULK_LAUNCH = f"""        smem = tl.smem
+        if n_passes == 1:  # the region cut to what it holds, the weights, 32 KB
+            patch = (tl.cc + 1) * tl.patch_h * tl.patch_w + AFTER_PATCH_WORDS + {_SPARE}
+            smem = 4 * (tl.kc_pad + -(-patch // 4) * 4 + tl.kc_pad * WEIGHT_STRIDE) + 32768
+        _allow_smem(k, smem)
+        per_block = math.ceil(n_tiles / max(1, _blocks(device, k, smem) // col_tiles))
+        grid = (math.ceil(n_tiles / per_block), col_tiles)
+        return _prepared(k, grid, smem, _params(g, tl, 0, 0, 0, per_block, 0))"""
+
+VARIANTS: dict[str, list[tuple[str, str]]] = {
+    "kernel": [],
+    "no y stores": [
+        (_C_OK, "const bool c_ok = (kAllChannels || 8 * j + s < c_left)" + _NEVER + ";"),
+        ("  u32 word[2] = {0u, 0u};\n", "  u32 word[2] = {0u, 0u};\n  u32 sink = 0;\n"),
+        (
+            "        if (decltype(vectors)::value && shifted)\n",
+            "        sink ^= words4(v).w[0] ^ words4(v).w[sizeof(T) - 1];\n"
+            "        if (decltype(vectors)::value && shifted)\n",
+        ),
+        (_DISPATCH, _DISPATCH + "  if (p.n > (1 << 30)) tw[0] = sink;\n"),
+    ],
+    "stores to L2": [
+        (
+            "T* yc = y + ((long long)at.n * p.cout + tile_n + 2 * t) * out_plane +\n"
+            "          (long long)(at.oh0 + row) * p.ow",
+            "T* yc = y + ((long long)0 * p.cout + tile_n + 2 * t) * out_plane +\n"
+            "          (long long)((at.oh0 & 7) + row) * p.ow",
+        )
+    ],
+    "aligned, to L2": [
+        (
+            "  const long long out_plane = (long long)p.oh * p.ow;\n"
+            "  // channel 2 t + 8 j + s exists",
+            "  const long long out_plane = 2048;  // (16 rows of 128 per channel)\n"
+            "  // channel 2 t + 8 j + s exists",
+        ),
+        (
+            "T* yc = y + ((long long)at.n * p.cout + tile_n + 2 * t) * out_plane +\n"
+            "          (long long)(at.oh0 + row) * p.ow",
+            "T* yc = y + ((long long)0 * p.cout + tile_n + 2 * t) * out_plane +\n"
+            "          (long long)((at.oh0 & 7) + row) * 128",
+        ),
+    ],
+    "8-byte stores": [
+        (
+            _VEC16,
+            "{ *reinterpret_cast<uint2*>(dst) = make_uint2(out.w[0], out.w[1]);"
+            " *reinterpret_cast<uint2*>(dst + 2) = make_uint2(out.w[2], out.w[3]); }",
+        ),
+        (
+            _SHIFT16,
+            "if (whole) { *reinterpret_cast<uint2*>(dst + 2) = make_uint2(out.w[2], out.w[3]);"
+            " *reinterpret_cast<uint2*>(dst + 4) = make_uint2(n0, n1); }",
+        ),
+    ],
+    "streaming stores": [
+        (
+            _VEC16,
+            "__stcs(reinterpret_cast<uint4*>(dst), "
+            "make_uint4(out.w[0], out.w[1], out.w[2], out.w[3]));",
+        ),
+        (
+            _SHIFT16,
+            "if (whole) __stcs(reinterpret_cast<uint4*>(dst + 2), "
+            "make_uint4(out.w[2], out.w[3], n0, n1));",
+        ),
+    ],
+    "no ring copy": [
+        (
+            "      if (staged)\n        unstage_rows<T, kPasses>(",
+            f"      if (staged{_NEVER})\n        unstage_rows<T, kPasses>(",
+        ),
+        (
+            "      else\n        load_patch<T, kPasses, kChannelsLast>(patch, p, xn,",
+            "      else if (!staged)\n        load_patch<T, kPasses, kChannelsLast>(patch, p, xn,",
+        ),
+    ],
+    "no MMA": [
+        (
+            "        wgmma_chunk<kPasses>(wacc, a_wg, koff, b_desc, p.kc_pad, t);",
+            "        if (p.n > (1 << 30))\n"
+            "          wgmma_chunk<kPasses>(wacc, a_wg, koff, b_desc, p.kc_pad, t);",
+        )
+    ],
+    "bulk stores": [
+        (_DISPATCH, _BULK_EPILOGUE),
+        (_LAST_MASK, '  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");\n' + _LAST_MASK),
+        (
+            _TILE_BARRIER,
+            '      if (tid < kBN) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");\n'
+            + _TILE_BARRIER,
+        ),
+        (
+            _REGION,
+            f"  const int region_alloc = kWgmma && kPasses == 1 && !kChannelsLast\n"
+            f"      ? (region + {_SPARE} + 3) & ~3\n"
+            "      : ((region > kEpilogueFloats ? region : kEpilogueFloats) + 3) & ~3;",
+        ),
+        (_LAUNCH, _BULK_LAUNCH),
+    ],
+}
+
+
+def copies(names: list[str], tmp: Path) -> dict[str, Path]:
+    """The variants' copies of cupy_act/ and cuda/ under ``tmp``."""
+    return {
+        n: wgrad_probe.make_copy(VARIANTS[n], tmp / str(i), _FILES) for i, n in enumerate(names)
+    }
+
+
+def widths(algorithms: list[str], rounds: int) -> None:
+    """``--widths``: the forward at output widths 124, 126 and 128."""
+    import torch
+
+    import cupy_act.torch as ct
+    from cupy_act import testing
+
+    calls = {}
+    for ow in (124, 126, 128):
+        torch.manual_seed(0)
+        x = torch.randn(128, 8, 128, ow + 2, device="cuda")
+        w = torch.randn(64, 8, 3, 3, device="cuda") * 0.1
+        b = torch.randn(64, device="cuda")
+        calls[ow] = (x, w, b)
+    for alg in algorithms:
+        times: dict[int, list[float]] = {ow: [] for ow in calls}
+        for _ in range(rounds):
+            for ow, (x, w, b) in calls.items():
+
+                def call(x=x, w=w, b=b):
+                    ct.conv2d_div_leaky_relu(x, w, b, 2.0, 0.01, algorithm=alg)
+
+                with torch.no_grad():
+                    call()
+                    times[ow].append(1000 * testing.median_ms(call, iters=20, queued_ms=4))
+        print(f"forward, no grad, float32 {alg}, 128x8x128x(ow + 2) -> 64 channels")
+        for ow, t in times.items():
+            per = min(t) * 1e6 / (128 * 64 * 126 * ow)
+            each = " ".join(f"{v:.1f}" for v in t)
+            print(f"  ow {ow}: rows of {4 * ow} bytes  {min(t):7.1f} us  {per:.3f} ps/elem  {each}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--algorithms", nargs="+", default=["fused_tf32", "fused"],
+                    choices=["fused", "fused_tf32"])  # fmt: skip
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--widths", action="store_true", help="this version at three output widths")
+    args = ap.parse_args()
+    if args.widths:
+        widths(args.algorithms, args.repeats)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = copies(args.variants, Path(tmp))
+        for alg in args.algorithms:
+            # "bulk stores" sizes its buffer for the one-pass kernels only
+            names = [n for n in dirs if not (n == "bulk stores" and alg == "fused")]
+            times: dict[str, list[float]] = {n: [] for n in names}
+            for _ in range(args.repeats):
+                for n in names:
+                    cargs = ["float32", "nchw", alg, "forward-nograd", "0"]
+                    times[n].append(wgrad_probe.events_us(dirs[n], cargs))
+            print(f"forward, no grad, float32 {alg} (us; min, then every repeat)")
+            for n, t in times.items():
+                print(f"  {n:18s} {min(t):7.1f}   " + " ".join(f"{v:.1f}" for v in t), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
