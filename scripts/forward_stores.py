@@ -24,6 +24,14 @@ compute wrong outputs.
   no ring copy       the ring's new rows not moved from the staging area into
                      the patch (the tensor copies still come)
   no MMA             the MMA loop skipped (the epilogue stores zeros' results)
+  addresses per store  each store's address from the lane's first channel's
+                     (a product per store) instead of stepped along
+  odd warps reversed   the same, odd warps storing their channels in reverse
+                     order: neighbouring warps, whose runs share lines, no
+                     longer write the same channel at the same time
+  warps in step      a barrier of the block's 4 warps after each 8 channels'
+                     stores: the two halves of a line shared by neighbouring
+                     warps leave together
   bulk stores        one-pass kernels only (skipped for "fused" float32): the
                      tile's values go to a 32 KB buffer in shared memory, then
                      one bulk copy per channel row (cp.async.bulk, 16-byte
@@ -123,6 +131,40 @@ _BULK_LAUNCH = f"""        smem = tl.smem
         grid = (math.ceil(n_tiles / per_block), col_tiles)
         return _prepared(k, grid, smem, _params(g, tl, 0, 0, 0, per_block, 0))"""
 
+# Each store's address from the tile's first channel (not stepped along), and
+# the channel loop in either order (a second lambda argument)
+_PER_STORE = [
+    ("auto channels = [&](auto vectors) {", "auto channels = [&](auto vectors, auto rev) {"),
+    (
+        "    for (int j = 0; j < 8; ++j) {\n#pragma unroll\n      for (int s = 0; s < 2; ++s) {\n"
+        "        const bool c_ok",
+        "    for (int jj = 0; jj < 8; ++jj) {\n"
+        "      const int j = decltype(rev)::value ? 7 - jj : jj;\n"
+        "#pragma unroll\n      for (int s = 0; s < 2; ++s) {\n"
+        "        T* ycj = yc + (long long)(8 * j + s) * out_plane;\n        const bool c_ok",
+    ),
+    ("store_shifted(yc, v,", "store_shifted(ycj, v,"),
+    ("store_vectors(yc, v,", "store_vectors(ycj, v,"),
+    ("store_n(yc, v,", "store_n(ycj, v,"),
+    ("        yc += s == 0 ? out_plane : 7 * out_plane;\n", ""),
+]
+
+
+def _order(odd_reversed: bool) -> list[tuple[str, str]]:
+    """_PER_STORE, odd warps walking the channels backwards where asked."""
+    rev = "Flag<true>()" if odd_reversed else "Flag<false>()"
+    return [
+        *_PER_STORE,
+        (
+            _DISPATCH,
+            "  if (__any_sync(0xffffffffu, how.rest))\n"
+            "    channels(Flag<false>(), Flag<false>());\n"
+            f"  else if (warp & 1)\n    channels(Flag<true>(), {rev});\n"
+            "  else\n    channels(Flag<true>(), Flag<false>());\n",
+        ),
+    ]
+
+
 VARIANTS: dict[str, list[tuple[str, str]]] = {
     "kernel": [],
     "no y stores": [
@@ -196,6 +238,15 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
             "        wgmma_chunk<kPasses>(wacc, a_wg, koff, b_desc, p.kc_pad, t);",
             "        if (p.n > (1 << 30))\n"
             "          wgmma_chunk<kPasses>(wacc, a_wg, koff, b_desc, p.kc_pad, t);",
+        )
+    ],
+    "addresses per store": _order(False),
+    "odd warps reversed": _order(True),
+    "warps in step": [
+        (
+            "        word[j >> 2] |= bits << (4 * (2 * (j & 3) + s));\n      }\n    }\n  };\n",
+            "        word[j >> 2] |= bits << (4 * (2 * (j & 3) + s));\n      }\n"
+            '      asm volatile("bar.sync 1, 128;" ::: "memory");\n    }\n  };\n',
         )
     ],
     "bulk stores": [
