@@ -470,10 +470,7 @@ __device__ __forceinline__ void stage_rows(T* stage, const ConvParams& p, const 
     const int c = div_by(row, nr, mr), ih = ih0 + row - c * nr, iw = iw_base + 4 * group;
     const bool in = c < p.cin && (unsigned)ih < (unsigned)p.h && (unsigned)iw < (unsigned)p.w_in;
     const T* src = in ? xn + ((long long)c * p.h + ih) * p.w_in + iw : xn;
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(
-                     dst0 + (row * groups + group) * kBytes),
-                 "l"(src), "n"(kBytes), "r"(in ? kBytes : 0)
-                 : "memory");
+    cp_async<kBytes>(dst0 + (row * groups + group) * kBytes, src, in ? kBytes : 0);
     group += step_group;
     row += step_row;
     if (group >= groups) {
@@ -481,12 +478,7 @@ __device__ __forceinline__ void stage_rows(T* stage, const ConvParams& p, const 
       ++row;
     }
   }
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-// This thread's asynchronous copies landed (then a barrier shows them to all).
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_all;" ::: "memory");
+  cp_async_commit();
 }
 
 // The staged rows split into the patch: logical rows l0 .. l0 + nr - 1 of

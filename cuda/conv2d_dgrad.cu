@@ -46,6 +46,7 @@
 // weights), float32 sums; non-finite values as split() says. Deterministic:
 // every sum has an order fixed by the shape (no atomics, no split reduction).
 #include "conv2d_tiles.cuh"
+#include "copy_engine.cuh"
 #include "params.cuh"
 #include "activations.cuh"
 
@@ -107,25 +108,6 @@ __device__ __forceinline__ void load_pair(DzPair<T>& q, const T* dy, const u32* 
     q.d[0] = ldg_if(dy + e, ok0);
     q.d[1] = ldg_if(dy + e + 1, ok1);
   }
-}
-
-// Asynchronous copy of kBytes (4 or 8) from src to shared address dst, of
-// which the first `src_bytes` (kBytes or 0) are read and the rest zero-filled
-// (no access at src when 0). Completes by cp_async_wait.
-template <int kBytes>
-__device__ __forceinline__ void cp_async(u32 dst, const void* src, u32 src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;"
-               :: "r"(dst), "l"(src), "n"(kBytes), "r"(src_bytes) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-// Until at most N of this thread's most recent copy groups are pending.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
 }
 
 // The pair's dz values as floats, split into TF32 parts (big, small).

@@ -1,11 +1,38 @@
-// copy_engine.cuh: the copy engine (sm_90) for the fused convolution's
-// kernels: bulk and tensor copies from global into shared memory, each
-// completing on an mbarrier that counts the bytes. Other architectures never
-// launch these paths (_conv decides per device); there they trap.
+// copy_engine.cuh: asynchronous copies from global into shared memory for
+// the fused convolution's kernels. Per thread (cp.async, sm_80 and later):
+// a few bytes each, completing by this thread's waits. The copy engine
+// (sm_90): bulk and tensor copies, each completing on an mbarrier that counts
+// the bytes; other architectures never launch those paths (_conv decides per
+// device), there they trap.
 #pragma once
 #include "numerics.cuh"
 
 namespace cupy_act {
+
+// Asynchronous copy of kBytes (4, 8 or 16) from src to shared address dst, of
+// which the first `src_bytes` (kBytes or 0) are read and the rest zero-filled
+// (no access at src when 0). Lands by cp_async_wait / cp_async_wait_all.
+template <int kBytes>
+__device__ __forceinline__ void cp_async(u32 dst, const void* src, u32 src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;"
+               :: "r"(dst), "l"(src), "n"(kBytes), "r"(src_bytes) : "memory");
+}
+
+// This thread's copies issued since the last commit, as one group.
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// Until at most N of this thread's most recent copy groups are pending.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+}
+
+// This thread's copies landed (then a barrier shows them to all).
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}
 
 // An mbarrier whose phases complete after `arrivals` arrivals (and the bytes
 // they announce).
