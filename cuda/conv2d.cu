@@ -556,6 +556,23 @@ __device__ __forceinline__ u32 transpose_nibbles(u32 x, int g) {
   return x;
 }
 
+// The warpgroup epilogue's warps wait for each other after every kStoreStep
+// of their 16 store instructions (4 channels each; a named barrier: the block
+// is the warpgroup). A channel's 128-byte line is shared by neighbouring
+// warps' runs wherever the row does not start on a line (126-wide rows:
+// nearly everywhere). Written by both within a short time it costs the
+// memory system about what one whole line does; written far apart (one warp
+// some channels ahead) it costs about as much again. scripts/forward_stores.py,
+// the seed shape's no-grad forward on an H100: "fused_tf32" 355 us with no
+// barrier, 332 with one every 2 stores, 331 every 4, 338 every 8 (with odd
+// warps' channels in reverse order and no barrier: 461); after every store
+// 1-3% faster again than every 2, for "fused" too.
+constexpr int kStoreStep = 1;
+
+__device__ __forceinline__ void warps_in_step() {
+  asm volatile("bar.sync 1, %0;" ::"n"(kConvThreads) : "memory");
+}
+
 // The bias values come from shared memory (bias_s(tw): the block's 64 channels,
 // zero past cout; a global load per tile left every warp waiting on it).
 // Mask bits are gathered for every value; those outside the output (past
@@ -593,6 +610,10 @@ __device__ __forceinline__ void epilogue_wgmma_nchw(const float (&acc)[2][32], c
   const int next_valid = kShifts ? __shfl_down_sync(0xffffffffu, valid, 4) : 0;  // lane g + 1's
   const bool shifted = kShifts && __all_sync(0xffffffffu, p.c_log2 == 7 && (out_plane & 3) == 0 &&
                                                               ((u64)yc & 15) == 8);
+  // Rows whose warp runs all start on a line (float32 runs of 128 bytes,
+  // widths a multiple of 32, y on a line) share no line between warps: no
+  // barrier (it cost 4% at 128 columns). The same for the whole block.
+  const bool in_step = !(sizeof(T) == 4 && (p.ow & 31) == 0 && ((u64)y & 127) == 0);
   u32 word[2] = {0u, 0u};
   auto channels = [&](auto vectors) {
 #pragma unroll
@@ -617,6 +638,7 @@ __device__ __forceinline__ void epilogue_wgmma_nchw(const float (&acc)[2][32], c
           store_n(yc, v, c_ok ? valid : 0);
         yc += s == 0 ? out_plane : 7 * out_plane;
         word[j >> 2] |= bits << (4 * (2 * (j & 3) + s));
+        if (in_step && (2 * j + s) % kStoreStep == kStoreStep - 1) warps_in_step();
       }
     }
   };

@@ -29,9 +29,18 @@ compute wrong outputs.
   odd warps reversed   the same, odd warps storing their channels in reverse
                      order: neighbouring warps, whose runs share lines, no
                      longer write the same channel at the same time
-  warps in step      a barrier of the block's 4 warps after each 8 channels'
-                     stores: the two halves of a line shared by neighbouring
-                     warps leave together
+  not in step        without the epilogue's barrier of the block's 4 warps
+                     after each store instruction (warps_in_step: the two
+                     halves of a line shared by neighbouring warps leave
+                     together)
+  in step every 2    that barrier after every 2 store instructions (8
+                     channels)
+  in step every 8    after every 8 (32 channels)
+  one tile per block the launch's grid one block per tile (no persistent
+                     runs, no ring of rows): blocks running at the same time
+                     hold neighbouring rows, so the line two rows share
+                     fills at once; each block loads its weights and whole
+                     patch
   bulk stores        one-pass kernels only (skipped for "fused" float32): the
                      tile's values go to a 32 KB buffer in shared memory, then
                      one bulk copy per channel row (cp.async.bulk, 16-byte
@@ -73,6 +82,7 @@ _DISPATCH = """  if (__any_sync(0xffffffffu, how.rest))
 _TILE_BARRIER = (
     "      __syncthreads();  // the previous MMAs and epilogue are done with shared memory"
 )
+_STEP = "constexpr int kStoreStep = 1;"  # the epilogue's warps meet after every store
 _LAST_MASK = "  if (nchw_mask && tile_first < tile_end) {  // the last tile's mask words"
 _REGION = (
     "  const int region_alloc = ((region > kEpilogueFloats ? region : kEpilogueFloats) + 3) & ~3;"
@@ -242,11 +252,13 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
     ],
     "addresses per store": _order(False),
     "odd warps reversed": _order(True),
-    "warps in step": [
+    "not in step": [(_STEP, "constexpr int kStoreStep = 32;")],
+    "in step every 2": [(_STEP, "constexpr int kStoreStep = 2;")],
+    "in step every 8": [(_STEP, "constexpr int kStoreStep = 8;")],
+    "one tile per block": [
         (
-            "        word[j >> 2] |= bits << (4 * (2 * (j & 3) + s));\n      }\n    }\n  };\n",
-            "        word[j >> 2] |= bits << (4 * (2 * (j & 3) + s));\n      }\n"
-            '      asm volatile("bar.sync 1, 128;" ::: "memory");\n    }\n  };\n',
+            "per_block = math.ceil(n_tiles / max(1, _blocks(device, k, tl.smem) // col_tiles))",
+            "per_block = 1",
         )
     ],
     "bulk stores": [

@@ -956,7 +956,11 @@ def test_forward_stores_copies_make_their_change(tmp_path, monkeypatch):
     assert "cp.async.bulk.global.shared::cta.bulk_group" in bulk and "st.global" not in bulk
     assert ptx["stores to L2"] != ptx["kernel"] != ptx["aligned, to L2"] != ptx["stores to L2"]
     assert ptx["odd warps reversed"] != ptx["addresses per store"] != ptx["kernel"]
-    assert "bar.sync 1, 128;" in ptx["warps in step"] and "bar.sync 1, 128;" not in ptx["kernel"]
+    steps = {v: ptx[v].count("bar.sync 1, 128;") for v in ptx}
+    assert steps["not in step"] == 0 < steps["in step every 8"] < steps["in step every 2"]
+    assert steps["in step every 2"] < steps["kernel"]
+    launch = tmp_path / str(list(fs.VARIANTS).index("one tile per block")) / "cupy_act" / "_conv.py"
+    assert "per_block = 1\n" in launch.read_text()
     launch = tmp_path / str(list(fs.VARIANTS).index("bulk stores")) / "cupy_act" / "_conv.py"
     launch = launch.read_text()
     assert "+ 32768" in launch
