@@ -35,6 +35,7 @@ compute wrong outputs.
                      together)
   in step every 2    that barrier after every 2 store instructions (8
                      channels)
+  in step every 4    after every 4 (16 channels)
   in step every 8    after every 8 (32 channels)
   one tile per block the launch's grid one block per tile (no persistent
                      runs, no ring of rows): blocks running at the same time
@@ -254,6 +255,7 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
     "odd warps reversed": _order(True),
     "not in step": [(_STEP, "constexpr int kStoreStep = 32;")],
     "in step every 2": [(_STEP, "constexpr int kStoreStep = 2;")],
+    "in step every 4": [(_STEP, "constexpr int kStoreStep = 4;")],
     "in step every 8": [(_STEP, "constexpr int kStoreStep = 8;")],
     "one tile per block": [
         (
