@@ -295,15 +295,37 @@ __device__ __forceinline__ Words4<T> words4(const T (&e)[4]) {
   return out;
 }
 
-// The vectors of r (not its rest), where ok.
-template <typename T>
-__device__ __forceinline__ void store_vectors(T* dst, const T (&e)[4], const Run4& r, bool ok) {
+// Where a float32 store's units go on rows with seams (forward_tiles): the
+// unit at the store's address (`at0`, `r0`) and the one 8 bytes on (`at8`,
+// `r8`) each to its place in the seam buffer where r0 / r8, else to y.
+struct Seam {
+  float *at0, *at8;
+  bool r0, r8;
+};
+
+// A vector (uint4 or uint2) of the output to y.
+template <typename V, typename T>
+__device__ __forceinline__ void put_global(T* dst, const V& v) {
+  *reinterpret_cast<V*>(dst) = v;
+}
+
+// The vector v to dst where ok: with kSeam, to `seam` instead where `route`.
+template <bool kSeam, typename V, typename T>
+__device__ __forceinline__ void put_unit(T* dst, const V& v, bool ok, bool route, float* seam) {
+  if (kSeam && ok && route) *reinterpret_cast<V*>(seam) = v;
+  if (ok && !(kSeam && route)) put_global(dst, v);
+}
+
+// The vectors of r (not its rest), where ok (float32 through put_unit).
+template <bool kSeam = false, typename T>
+__device__ __forceinline__ void store_vectors(T* dst, const T (&e)[4], const Run4& r, bool ok,
+                                              const Seam& sm = Seam{}) {
   const Words4<T> out = words4(e);
   if (sizeof(T) == 4) {
-    if (ok && r.all)
-      *reinterpret_cast<uint4*>(dst) = make_uint4(out.w[0], out.w[1], out.w[2], out.w[3]);
-    if (ok && r.lo) *reinterpret_cast<uint2*>(dst) = make_uint2(out.w[0], out.w[1]);
-    if (ok && r.hi) *reinterpret_cast<uint2*>(dst + 2) = make_uint2(out.w[2], out.w[3]);
+    const uint4 all = make_uint4(out.w[0], out.w[1], out.w[2], out.w[3]);
+    put_unit<kSeam>(dst, all, ok && r.all, sm.r0, sm.at0);
+    put_unit<kSeam>(dst, make_uint2(out.w[0], out.w[1]), ok && r.lo, sm.r0, sm.at0);
+    put_unit<kSeam>(dst + 2, make_uint2(out.w[2], out.w[3]), ok && r.hi, sm.r8, sm.at8);
   } else {
     if (ok && r.all) *reinterpret_cast<uint2*>(dst) = make_uint2(out.w[0], out.w[1]);
     if (ok && r.lo) *reinterpret_cast<u32*>(dst) = out.w[0];
@@ -329,19 +351,19 @@ struct Flag {
 // `next_valid` lane g + 1's; every lane must call it (the shuffles). Taken
 // for float32 only (epilogue_wgmma_nchw): 16-bit outputs were slower with it
 // in a first version.
-template <typename T>
+template <bool kSeam = false, typename T>
 __device__ __forceinline__ void store_shifted(T* dst, const T (&e)[4], int g, int valid,
-                                              int next_valid, bool ok) {
+                                              int next_valid, bool ok, const Seam& sm = Seam{}) {
   const Words4<T> out = words4(e);
   const bool lead = g == 0 && valid >= 2, trail = g == 7 && valid == 4;
   const bool whole = ok && g < 7 && valid == 4 && next_valid >= 2;
   if (sizeof(T) == 4) {
     const u32 n0 = __shfl_down_sync(0xffffffffu, out.w[0], 4);
     const u32 n1 = __shfl_down_sync(0xffffffffu, out.w[1], 4);
-    if (whole) *reinterpret_cast<uint4*>(dst + 2) = make_uint4(out.w[2], out.w[3], n0, n1);
-    if (ok && (lead || trail))
-      *reinterpret_cast<uint2*>(lead ? dst : dst + 2) =
-          lead ? make_uint2(out.w[0], out.w[1]) : make_uint2(out.w[2], out.w[3]);
+    put_unit<kSeam>(dst + 2, make_uint4(out.w[2], out.w[3], n0, n1), whole, sm.r8, sm.at8);
+    put_unit<kSeam>(lead ? dst : dst + 2,
+                    lead ? make_uint2(out.w[0], out.w[1]) : make_uint2(out.w[2], out.w[3]),
+                    ok && (lead || trail), lead ? sm.r0 : sm.r8, lead ? sm.at0 : sm.at8);
   } else {
     const u32 n = __shfl_down_sync(0xffffffffu, out.w[0], 4);
     if (whole) *reinterpret_cast<uint2*>(dst + 2) = make_uint2(out.w[1], n);
@@ -590,7 +612,8 @@ template <typename T, bool kAllChannels, typename Op>
 __device__ __forceinline__ void epilogue_wgmma_nchw(const float (&acc)[2][32], const ConvParams& p,
                                                     T* y, bool has_bias, const Op& op,
                                                     typename Num<T>::op_t alpha, TileAt at,
-                                                    int tile_n, u32* tw, int warp, int g, int t) {
+                                                    int tile_n, u32* tw, float* seam_head,
+                                                    float* seam_tail, int warp, int g, int t) {
   const int cols = 1 << p.c_log2;
   const long long out_plane = (long long)p.oh * p.ow;
   // channel 2 t + 8 j + s exists where 8 j + s < c_left
@@ -614,8 +637,32 @@ __device__ __forceinline__ void epilogue_wgmma_nchw(const float (&acc)[2][32], c
   // widths a multiple of 32, y on a line) share no line between warps: no
   // barrier (it cost 4% at 128 columns). The same for the whole block.
   const bool in_step = !(sizeof(T) == 4 && (p.ow & 31) == 0 && ((u64)y & 127) == 0);
+  // Row seams (forward_tiles; null where this tile stores the line itself):
+  // warp 0's units in the line the previous row ends in go to seam_head, the
+  // other warps' units in the line the next row starts in to seam_tail, a
+  // line per channel kSeamStride floats apart. The key element: the previous
+  // row's last, or the next row's first (bytes from the lane's first).
+  float* seam_line = warp == 0 ? seam_head : seam_tail;
+  const bool seam_on = seam_line != nullptr && (warp == 0 || col + 4 > p.ow - 32);
+  // Where a unit goes depends on its address modulo 128 alone, and seams
+  // come with planes of whole 4-element vectors, so channels 8 apart (8
+  // planes: a multiple of 128 bytes) route alike: worked out once per tile
+  // for the lane's two channels (s), at its first address and 8 bytes on.
+  Seam seam_s[2] = {Seam{nullptr, nullptr, false, false}, Seam{nullptr, nullptr, false, false}};
+  if (sizeof(T) == 4 && seam_on) {
+    const u32 to_key = warp == 0 ? 0u - 4u * (u32)(col + 1) : 4u * (u32)(p.ow - col);
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const u32 a = (u32)(u64)(yc + s * out_plane), key = a + to_key;
+      float* line = seam_line + (2 * t + s) * kSeamStride;
+      seam_s[s].at0 = line + ((a & 127u) >> 2);
+      seam_s[s].at8 = line + (((a + 8u) & 127u) >> 2);
+      seam_s[s].r0 = (a ^ key) < 128u;
+      seam_s[s].r8 = ((a + 8u) ^ key) < 128u;
+    }
+  }
   u32 word[2] = {0u, 0u};
-  auto channels = [&](auto vectors) {
+  auto channels = [&](auto vectors, auto seam) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
 #pragma unroll
@@ -630,10 +677,15 @@ __device__ __forceinline__ void epilogue_wgmma_nchw(const float (&acc)[2][32], c
           v[q] = epilogue_value(acc[q >> 1][4 * j + 2 * (q & 1) + s], op, has_bias, b, alpha, bit);
           bits |= (u32)bit << q;
         }
+        constexpr bool kSeam = decltype(seam)::value;
+        Seam sm{};
+        if (kSeam)
+          sm = Seam{seam_s[s].at0 + 8 * j * kSeamStride, seam_s[s].at8 + 8 * j * kSeamStride,
+                    seam_s[s].r0, seam_s[s].r8};
         if (decltype(vectors)::value && shifted)
-          store_shifted(yc, v, g, valid, next_valid, c_ok);
+          store_shifted<kSeam>(yc, v, g, valid, next_valid, c_ok, sm);
         else if (decltype(vectors)::value)
-          store_vectors(yc, v, how, c_ok);
+          store_vectors<kSeam>(yc, v, how, c_ok, sm);
         else
           store_n(yc, v, c_ok ? valid : 0);
         yc += s == 0 ? out_plane : 7 * out_plane;
@@ -645,11 +697,15 @@ __device__ __forceinline__ void epilogue_wgmma_nchw(const float (&acc)[2][32], c
   // Where every lane's runs go out as vectors (the seed shape: 16-byte ones,
   // or 8-byte ones on rows that start 8 bytes into a 16-byte unit, and at the
   // right edge), predicated vector stores with no branch; else (odd widths,
-  // unaligned outputs) store_n's branches. A warp-wide choice, once per tile.
+  // unaligned outputs) store_n's branches. A warp-wide choice, once per tile;
+  // warps with seam units take the vector stores through put_unit (seams
+  // are only where no lane needs store_n).
   if (__any_sync(0xffffffffu, how.rest))
-    channels(Flag<false>());
+    channels(Flag<false>(), Flag<false>());
+  else if (sizeof(T) == 4 && __any_sync(0xffffffffu, seam_on))
+    channels(Flag<true>(), Flag<sizeof(T) == 4>());
   else
-    channels(Flag<true>());
+    channels(Flag<true>(), Flag<false>());
   if (p.mask) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -684,6 +740,23 @@ __device__ __forceinline__ void put_tile_mask_nchw(const ConvParams& p, const u3
     store_mask_word(p.mask, ml.use_hi ? w[ml.src_hi] : 0u, ml.use_lo ? w[ml.src_lo] : 0u, ml.k, e,
                     len);
     e += kConvThreads / 8 * out_plane;
+  }
+}
+
+// The row seams of tile `at` (forward_tiles): for each channel whose row
+// does not start on a line, the line it shares with the row before, whole
+// from `lines` (the previous tile's part and this tile's), 8 lanes per line:
+// a warp's store writes 4 whole lines.
+__device__ __forceinline__ void put_seams(const float* lines, float* y, const ConvParams& p,
+                                          TileAt at, int tile_n, int tid) {
+  const long long out_plane = (long long)p.oh * p.ow;
+  const int chans = min(kBN, p.cout - tile_n), q = tid & 7;
+  for (int c = tid >> 3; c < chans; c += kConvThreads / 8) {
+    float* row = y + ((long long)at.n * p.cout + tile_n + c) * out_plane + (long long)at.oh0 * p.ow;
+    const int into = (int)((u64)row & 127) >> 2;  // (pointer arithmetic keeps y's global space)
+    if (into != 0)
+      *reinterpret_cast<uint4*>(row - into + 4 * q) =
+          *reinterpret_cast<const uint4*>(lines + c * kSeamStride + 4 * q);
   }
 }
 
@@ -900,6 +973,30 @@ __device__ __forceinline__ void forward_tiles(const ConvParams& p, const TensorM
   const int w_used = (kParts == 2 ? kWgmmaWeightPart : 0) + kBN * p.kc_pad;  // (multiples of 4)
   const int w_alloc = kParts == 2 ? 2 * kWeightPart : p.kc_pad * kWeightStride;
   const int stage_at = (region + 3) & ~3;
+  // Row seams (float32 on wgmma, one pass, NCHW, one-row tiles holding the
+  // output's whole width, so that a block's consecutive tiles are rows next
+  // to each other in memory). The line two such rows share leaves whole once
+  // both are in: the earlier tile puts its part in a buffer after the
+  // weights (when the host allotted it: _conv.SEAM_BYTES), the next tile
+  // adds its own, and the tile after stores the line after its first
+  // barrier. Written in two parts a tile apart, these lines cost the seed
+  // shape's one-pass forward 15% (scripts/forward_stores.py, "no row-end
+  // lines"); with the seams it took 316-318 us against 325-326 on an H100,
+  // the lines' stores after the barrier 15 of those ("seams, no flush").
+  // Only where every store is a vector (even widths, planes of whole
+  // vectors, y 16-byte aligned: no store_n), and rows are not whole lines
+  // anyway.
+  float* seam = nullptr;
+  if constexpr (kWgmma && kPasses == 1 && !kChannelsLast && sizeof(T) == 4) {
+    u32 dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    float* buf = reinterpret_cast<float*>(bs + w_alloc);
+    const bool fits = (u32)(buf + kSeamFloats - smem) * 4 <= dyn;
+    if (fits && p.c_log2 == 7 && p.tiles_w == 1 && p.ow >= 64 && (p.ow & 1) == 0 &&
+        (out_plane & 3) == 0 && ((u64)y & 15) == 0 && !((p.ow & 31) == 0 && ((u64)y & 127) == 0))
+      seam = buf;
+  }
+  bool seam_flush = false;  // the last tile's head line waits in the buffer (its row - 1's set)
   T* stage =
       reinterpret_cast<T*>(stage_at + stage_words <= region_alloc ? patch + stage_at : bs + w_used);
   const bool stage_ok = ring && (p.w_in & 3) == 0 && (p.pw & 3) == 0 &&
@@ -973,6 +1070,9 @@ __device__ __forceinline__ void forward_tiles(const ConvParams& p, const TensorM
       __syncthreads();  // the previous MMAs and epilogue are done with shared memory
       if (c0 == 0 && tile > tile_first) {
         if (nchw_mask) put_tile_mask_nchw(p, tile_words, at, tile_n, tid);
+        if (seam_flush)
+          put_seams(seam + ((at.oh0 - 1) & 1) * kBN * kSeamStride, reinterpret_cast<float*>(y), p,
+                    at, tile_n, tid);
         // the next tile: one row tile down, or the next column or image
         at.oh0 += kBM >> p.c_log2;
         if (ring)
@@ -1055,12 +1155,21 @@ __device__ __forceinline__ void forward_tiles(const ConvParams& p, const TensorM
       } else if (kChannelsLast) {
         epilogue_wgmma_nhwc<T, false>(wacc, p, y, bias != nullptr, op, alpha, at, tile_n,
                                       tile_words, pair, warp, g, t);
-      } else if (all) {
-        epilogue_wgmma_nchw<T, true>(wacc, p, y, bias != nullptr, op, alpha, at, tile_n, tile_words,
-                                     warp, g, t);
       } else {
-        epilogue_wgmma_nchw<T, false>(wacc, p, y, bias != nullptr, op, alpha, at, tile_n,
-                                      tile_words, warp, g, t);
+        // the seam lines: with the row before (set (row - 1) % 2), with the
+        // row after (set row % 2), where the neighbouring row is this block's
+        float *head = nullptr, *tail = nullptr;
+        if (seam != nullptr && tile > tile_first && at.oh0 > 0)
+          head = seam + ((at.oh0 - 1) & 1) * kBN * kSeamStride;
+        if (seam != nullptr && tile + 1 < tile_end && at.oh0 + 1 < p.oh)
+          tail = seam + (at.oh0 & 1) * kBN * kSeamStride;
+        seam_flush = head != nullptr;
+        if (all)
+          epilogue_wgmma_nchw<T, true>(wacc, p, y, bias != nullptr, op, alpha, at, tile_n,
+                                       tile_words, head, tail, warp, g, t);
+        else
+          epilogue_wgmma_nchw<T, false>(wacc, p, y, bias != nullptr, op, alpha, at, tile_n,
+                                        tile_words, head, tail, warp, g, t);
       }
     } else {
       const int n = at.n, oh0 = at.oh0, ow0 = at.ow0;
@@ -1154,9 +1263,13 @@ __device__ __forceinline__ void forward_tiles(const ConvParams& p, const TensorM
       }
     }
   }
-  if (nchw_mask && tile_first < tile_end) {  // the last tile's mask words
+  // the last tile's mask words and seam lines
+  if ((nchw_mask || seam_flush) && tile_first < tile_end) {
     __syncthreads();
-    put_tile_mask_nchw(p, tile_words, at, tile_n, tid);
+    if (nchw_mask) put_tile_mask_nchw(p, tile_words, at, tile_n, tid);
+    if (seam_flush)
+      put_seams(seam + ((at.oh0 - 1) & 1) * kBN * kSeamStride, reinterpret_cast<float*>(y), p, at,
+                tile_n, tid);
   }
 }
 

@@ -45,6 +45,11 @@ constexpr int kEpilogueFloats = kBM * kCSL > kBN* kCS ? kBM * kCSL : kBN * kCS;
 // After the forward's patch (wgmma): a tile's mask words (NCHW), the bias values.
 constexpr int kTileMaskWords = kBN * 4;
 constexpr int kAfterPatchWords = kTileMaskWords + kBN;
+// The row seams' buffer (float32, one pass, NCHW on wgmma: conv2d.cu's
+// forward_tiles): two sets of a 128-byte line per channel, kSeamStride floats
+// apart (4 past the line: the 4 channels of one store land in distinct banks).
+constexpr int kSeamStride = 36;
+constexpr int kSeamFloats = 2 * kBN * kSeamStride;
 
 // cvt.rna.tf32.f32 in integer operations: add half a TF32 unit to the
 // magnitude's bits, then drop the low 13 (a carry into the exponent is the

@@ -267,6 +267,15 @@ WEIGHT_PART = 72 * WEIGHT_STRIDE  # kWeightPart: the weights' part (depth <= 72)
 # three (conv2d.cu's launch bounds).
 SMEM_TARGET = {1: 56 * 1024, 3: 76800}
 SMEM_MAX = 99 * 1024  # the most every sm_80+ device gives one block
+SEAM_STRIDE = 36  # kSeamStride: floats per channel's line in the row seams' buffer
+SEAM_BYTES = 4 * 2 * TILE_N * SEAM_STRIDE  # kSeamFloats, after the weights
+# The most shared memory a block of the float32 wgmma forward takes with its
+# seam buffer: three blocks per SM (its launch bounds), 1 KiB each reserved.
+SEAM_SMEM_MAX = 75 * 1024
+# The float32 one-pass forward's row seams on sm_90a (conv2d.cu's
+# forward_tiles: the line two rows share stored whole); False leaves each
+# tile to store its rows' end lines (tests compare the two).
+FORWARD_SEAMS = True
 
 
 def _layouts(g: Geometry):
@@ -730,6 +739,21 @@ class ForwardLaunch(NamedTuple):
 _forward_launches: dict[tuple, ForwardLaunch] = {}
 
 
+def seam_bytes(g: Geometry, tl: Tiling, n_passes: int, dtype: str, sm: int, cl: bool) -> int:
+    """The row seams' buffer (bytes) the sm_90a forward gets after its
+    weights, 0 where conv2d.cu's forward_tiles would not use it: float32, one
+    pass, NCHW, one-row tiles over the whole width (C = 128, one column
+    tile), widths of 64 or more, even, not a multiple of 32 (rows of whole
+    lines share none), planes of whole 4-element vectors, and three blocks
+    per SM kept. (The kernel also wants y 16-byte aligned, per call.)"""
+    ok = (
+        FORWARD_SEAMS and sm == 90 and n_passes == 1 and dtype == "float32" and not cl
+        and tl.c_log2 == 7 and tl.tiles_w == 1 and g.ow >= 64 and g.ow % 2 == 0
+        and g.ow % 32 != 0 and g.oh * g.ow % 4 == 0 and tl.smem + SEAM_BYTES <= SEAM_SMEM_MAX
+    )  # fmt: skip
+    return SEAM_BYTES if ok else 0
+
+
 def forward_launch(
     device: int, dtype: str, precision: str, channels_last: bool, g: Geometry
 ) -> ForwardLaunch:
@@ -739,7 +763,8 @@ def forward_launch(
     weights in shared memory when one chunk holds every channel, and on
     sm_90a one-row tiles' patch as a ring of rows."""
     n_passes = passes(dtype, precision)
-    key = (device, dtype, n_passes, channels_last, g, FORWARD_TMAP and _tensormap.available())
+    tmap_ok = FORWARD_TMAP and _tensormap.available()
+    key = (device, dtype, n_passes, channels_last, g, tmap_ok, FORWARD_SEAMS)
     run = _forward_launches.get(key)
     if run is not None:
         return run
@@ -748,12 +773,13 @@ def forward_launch(
     ks = kernel(device, dtype, n_passes, channels_last)
     n_tiles = g.n * tl.tiles_h * tl.tiles_w
     col_tiles = math.ceil(g.cout / TILE_N)
+    smem = tl.smem + seam_bytes(g, tl, n_passes, dtype, sm, channels_last)
 
     def prepared(k: ConvKernel) -> Prepared:
-        _allow_smem(k, tl.smem)  # (before the occupancy query)
-        per_block = math.ceil(n_tiles / max(1, _blocks(device, k, tl.smem) // col_tiles))
+        _allow_smem(k, smem)  # (before the occupancy query)
+        per_block = math.ceil(n_tiles / max(1, _blocks(device, k, smem) // col_tiles))
         grid = (math.ceil(n_tiles / per_block), col_tiles)
-        return _prepared(k, grid, tl.smem, _params(g, tl, 0, 0, 0, per_block, 0))
+        return _prepared(k, grid, smem, _params(g, tl, 0, 0, 0, per_block, 0))
 
     tmap = x_map = None
     # forward_tmap's rule, but for x's alignment (checked per call)

@@ -12,7 +12,8 @@ per phase, the mean SM cycles per tile that a warp spends in it (over all
 blocks; per warp of the block too), at the GPU's own clocks. The phases:
 
   wait+barrier  the staged rows' wait and the tile's first barrier
-  mask out      the last tile's mask words to memory (put_tile_mask_nchw)
+  mask out      the last tile's mask words to memory (put_tile_mask_nchw) and its
+                row seam lines (put_seams)
   copy          the depth offsets, the ring's new rows split into place (the
                 first tile: the whole patch and the weights)
   barrier       the second barrier
@@ -50,7 +51,7 @@ def _after(anchor: str, phase: int, indent: str) -> tuple[str, str]:
 _WEIGHTS = "load_weights<T, kPasses>(bs, p, w, tile_n, c0, tid);\n"
 _BLOCK = "blockIdx.x * gridDim.y + blockIdx.y"
 _BODY = "// The kernels' body; kTmap:"
-_END = "  if (nchw_mask && tile_first < tile_end) {  // the last tile's mask words\n"
+_END = "  // the last tile's mask words and seam lines\n"
 # (text in cuda/conv2d.cu, replacement); each text must occur once.
 EDITS = [
     (
@@ -70,11 +71,7 @@ EDITS = [
         0,
         "      ",
     ),
-    _after(
-        "        if (nchw_mask) put_tile_mask_nchw(p, tile_words, at, tile_n, tid);\n",
-        1,
-        "        ",
-    ),
+    _after("                    at, tile_n, tid);\n", 1, "        "),  # (after put_seams)
     (
         f"{_WEIGHTS}      __syncthreads();\n",
         f"{_WEIGHTS}      {_MARK}(2)\n      __syncthreads();\n      {_MARK}(3)\n",
@@ -82,8 +79,8 @@ EDITS = [
     _after("        staged = tma || stage_ok;\n      }\n", 4, "      "),
     _after("        wgmma_chunk<kPasses>(wacc, a_wg, koff, b_desc, p.kc_pad, t);\n", 5, "        "),
     (
-        "tile_words, warp, g, t);\n      }\n    } else {\n",
-        f"tile_words, warp, g, t);\n      }}\n      {_MARK}(6)\n    }} else {{\n",
+        "tile_words, head, tail, warp, g, t);\n      }\n    } else {\n",
+        f"tile_words, head, tail, warp, g, t);\n      }}\n      {_MARK}(6)\n    }} else {{\n",
     ),
     (
         _END,

@@ -11,6 +11,19 @@ warpgroup-MMA kernel (sm_90a) changed or taken out. Timing only: most copies
 compute wrong outputs.
 
   kernel             cuda/conv2d.cu as it is
+  no seams           the row seams off (_conv.FORWARD_SEAMS): each tile stores
+                     the lines its row shares with the rows before and after
+                     itself, a tile apart from their other parts
+  seams, no flush    the seam lines' parts go to their buffer, but the lines
+                     are never stored (wrong outputs: the time without them)
+  seam checks only   the seam warps' stores checked as with the seams, none
+                     routed, no seam line stored: the checks' cost
+  seam buffer unused the seam buffer allotted (the block's shared memory as
+                     with the seams) but never used: the seams off
+  region cut         the one-pass NCHW region cut to the patch, mask words
+                     and bias plus 1200 words for the tensor copy's box (no
+                     room for the unused epilogue tile), kernel and host
+  region cut, no seams  the same without the seams
   no y stores        the epilogue's values all formed (XORed into a word the
                      compiler must keep), none stored
   stores to L2       every tile stores as before, but into image 0's first 8
@@ -37,6 +50,14 @@ compute wrong outputs.
                      channels)
   in step every 4    after every 4 (16 channels)
   in step every 8    after every 8 (32 channels)
+  no row-end lines   lanes whose positions touch the line a row shares with
+                     the row before or after it (its first and last,
+                     unless the row starts or ends on a line) store
+                     nothing: a bound on what writing those lines whole
+                     (tiles of two rows) could save
+  no second line     the same for the row's next line after its first (one
+                     its own row's warps share): the control, about as
+                     many bytes left out
   one tile per block the launch's grid one block per tile (no persistent
                      runs, no ring of rows): blocks running at the same time
                      hold neighbouring rows, so the line two rows share
@@ -49,6 +70,10 @@ compute wrong outputs.
                      every other 126-wide row are ignored); the region cut
                      to what it holds, so that with the buffer after the
                      weights the launch keeps three blocks per SM
+
+The copies whose stores go elsewhere or not at all ("no y stores", "stores
+to L2", "aligned, to L2", "addresses per store", "odd warps reversed", "no
+row-end lines", "no second line", "bulk stores") run without the seams.
 
 Rows repeat ``--repeats`` times, variants interleaved; the minimum and every
 repeat are printed.
@@ -73,25 +98,39 @@ _FILES = ("cuda/conv2d.cu", "cupy_act/_conv.py")
 
 _C_OK = "const bool c_ok = kAllChannels || 8 * j + s < c_left;"
 _NEVER = " && p.n > (1 << 30)"  # false for every real launch, unknown to the compiler
-_VEC16 = "*reinterpret_cast<uint4*>(dst) = make_uint4(out.w[0], out.w[1], out.w[2], out.w[3]);"
-_SHIFT16 = "if (whole) *reinterpret_cast<uint4*>(dst + 2) = make_uint4(out.w[2], out.w[3], n0, n1);"
+_PUT = "  *reinterpret_cast<V*>(dst) = v;\n"  # put_global: each float32 vector of y
 _DISPATCH = """  if (__any_sync(0xffffffffu, how.rest))
-    channels(Flag<false>());
+    channels(Flag<false>(), Flag<false>());
+  else if (sizeof(T) == 4 && __any_sync(0xffffffffu, seam_on))
+    channels(Flag<true>(), Flag<sizeof(T) == 4>());
   else
-    channels(Flag<true>());
+    channels(Flag<true>(), Flag<false>());
 """
+# The seam lines never stored (put_seams), and the seam units never routed
+_NO_FLUSH = (
+    "    if (into != 0)\n      *reinterpret_cast<uint4*>(row - into + 4 * q) =",
+    f"    if (into != 0{_NEVER})\n      *reinterpret_cast<uint4*>(row - into + 4 * q) =",
+)
+_NO_ROUTE = (
+    "      seam_s[s].r0 = (a ^ key) < 128u;\n      seam_s[s].r8 = ((a + 8u) ^ key) < 128u;",
+    f"      seam_s[s].r0 = (a ^ key) < 128u{_NEVER};\n"
+    f"      seam_s[s].r8 = ((a + 8u) ^ key) < 128u{_NEVER};",
+)
+# Without the row seams (copies whose stores go elsewhere or not at all: the
+# seam lines would still be stored whole from their buffer)
+_NO_SEAMS = ("FORWARD_SEAMS = True\n", "FORWARD_SEAMS = False\n")
 _TILE_BARRIER = (
     "      __syncthreads();  // the previous MMAs and epilogue are done with shared memory"
 )
 _STEP = "constexpr int kStoreStep = 1;"  # the epilogue's warps meet after every store
-_LAST_MASK = "  if (nchw_mask && tile_first < tile_end) {  // the last tile's mask words"
+_LAST_MASK = "  if ((nchw_mask || seam_flush) && tile_first < tile_end) {\n"
 _REGION = (
     "  const int region_alloc = ((region > kEpilogueFloats ? region : kEpilogueFloats) + 3) & ~3;"
 )
 # the buffer's share of the region's tail: the tensor copy's box, its barrier
 # and their alignment fit in 1200 words after the patch, mask words and bias
 _SPARE = 1200
-_BULK_EPILOGUE = r"""  if (false) channels(Flag<true>());
+_BULK_EPILOGUE = r"""  if (false) channels(Flag<true>(), Flag<false>());
   {
     extern __shared__ __align__(16) float smem_all[];
     u32 dyn;
@@ -129,10 +168,10 @@ _BULK_EPILOGUE = r"""  if (false) channels(Flag<true>());
     }
   }
 """
-_LAUNCH = """        _allow_smem(k, tl.smem)  # (before the occupancy query)
-        per_block = math.ceil(n_tiles / max(1, _blocks(device, k, tl.smem) // col_tiles))
+_LAUNCH = """        _allow_smem(k, smem)  # (before the occupancy query)
+        per_block = math.ceil(n_tiles / max(1, _blocks(device, k, smem) // col_tiles))
         grid = (math.ceil(n_tiles / per_block), col_tiles)
-        return _prepared(k, grid, tl.smem, _params(g, tl, 0, 0, 0, per_block, 0))"""
+        return _prepared(k, grid, smem, _params(g, tl, 0, 0, 0, per_block, 0))"""
 _BULK_LAUNCH = f"""        smem = tl.smem
         if n_passes == 1:  # the region cut to what it holds, the weights, 32 KB
             patch = (tl.cc + 1) * tl.patch_h * tl.patch_w + AFTER_PATCH_WORDS + {_SPARE}
@@ -145,7 +184,11 @@ _BULK_LAUNCH = f"""        smem = tl.smem
 # Each store's address from the tile's first channel (not stepped along), and
 # the channel loop in either order (a second lambda argument)
 _PER_STORE = [
-    ("auto channels = [&](auto vectors) {", "auto channels = [&](auto vectors, auto rev) {"),
+    _NO_SEAMS,
+    (
+        "auto channels = [&](auto vectors, auto seam) {",
+        "auto channels = [&](auto vectors, auto seam, auto rev) {",
+    ),
     (
         "    for (int j = 0; j < 8; ++j) {\n#pragma unroll\n      for (int s = 0; s < 2; ++s) {\n"
         "        const bool c_ok",
@@ -154,8 +197,8 @@ _PER_STORE = [
         "#pragma unroll\n      for (int s = 0; s < 2; ++s) {\n"
         "        T* ycj = yc + (long long)(8 * j + s) * out_plane;\n        const bool c_ok",
     ),
-    ("store_shifted(yc, v,", "store_shifted(ycj, v,"),
-    ("store_vectors(yc, v,", "store_vectors(ycj, v,"),
+    ("store_shifted<kSeam>(yc, v,", "store_shifted<kSeam>(ycj, v,"),
+    ("store_vectors<kSeam>(yc, v,", "store_vectors<kSeam>(ycj, v,"),
     ("store_n(yc, v,", "store_n(ycj, v,"),
     ("        yc += s == 0 ? out_plane : 7 * out_plane;\n", ""),
 ]
@@ -169,16 +212,71 @@ def _order(odd_reversed: bool) -> list[tuple[str, str]]:
         (
             _DISPATCH,
             "  if (__any_sync(0xffffffffu, how.rest))\n"
-            "    channels(Flag<false>(), Flag<false>());\n"
-            f"  else if (warp & 1)\n    channels(Flag<true>(), {rev});\n"
-            "  else\n    channels(Flag<true>(), Flag<false>());\n",
+            "    channels(Flag<false>(), Flag<false>(), Flag<false>());\n"
+            f"  else if (warp & 1)\n    channels(Flag<true>(), Flag<false>(), {rev});\n"
+            "  else\n    channels(Flag<true>(), Flag<false>(), Flag<false>());\n",
+        ),
+    ]
+
+
+# The seam buffer allotted but never used
+_SEAMS_UNUSED = ("      seam = buf;\n", "      seam = p.n > (1 << 30) ? buf : nullptr;\n")
+# The one-pass NCHW region cut to the patch, the mask words and the bias,
+# plus 1200 words for the tensor copy's box (no epilogue tile: the warpgroup
+# epilogue stores from registers), on the host as in the kernel
+_CUT = [
+    (
+        _REGION,
+        "  const int region_alloc = kWgmma && kPasses == 1 && !kChannelsLast\n"
+        "      ? (region + 1200 + 3) & ~3\n"
+        "      : ((region > kEpilogueFloats ? region : kEpilogueFloats) + 3) & ~3;",
+    ),
+    (
+        "    smem = tl.smem + seam_bytes(g, tl, n_passes, dtype, sm, channels_last)\n",
+        "    smem = tl.smem + seam_bytes(g, tl, n_passes, dtype, sm, channels_last)\n"
+        "    if n_passes == 1 and sm == 90 and not channels_last:\n"
+        "        cut = (tl.cc + 1) * tl.patch_h * tl.patch_w + AFTER_PATCH_WORDS + 1200\n"
+        "        old = max(cut - 1200, EPILOGUE_FLOATS)\n"
+        "        smem += 4 * (-(-cut // 4) * 4) - 4 * (-(-old // 4) * 4)\n",
+    ),
+]
+
+
+def _skip_lines(which: str) -> list[tuple[str, str]]:
+    """Lanes whose 4 positions (pos .. pos + 3 of the row) touch the lines
+    ``which`` names store nothing: "head" is the number of the row's elements
+    in the line its first element opens (0 where the row starts on a line),
+    "tail" the position where the line of its last element begins (the row's
+    width where it ends on a line)."""
+    helper = (
+        "template <typename T>\n"
+        "__device__ __forceinline__ bool skip_lines(const T* yc, int pos, int ow) {\n"
+        "  const u64 rs = (u64)yc - (u64)pos * sizeof(T), re = rs + (u64)ow * sizeof(T);\n"
+        "  const int head = (int)(((128 - (rs & 127)) & 127) / sizeof(T));\n"
+        "  const int tail = (re & 127) ? (int)(((re & ~127ull) - rs) / sizeof(T)) : ow;\n"
+        f"  return {which};\n"
+        "}\n\n"
+    )
+    return [
+        _NO_SEAMS,
+        (_STEP, helper + _STEP),
+        (
+            _C_OK,
+            "const bool c_ok = (kAllChannels || 8 * j + s < c_left) && !skip_lines(yc, col, p.ow);",
         ),
     ]
 
 
 VARIANTS: dict[str, list[tuple[str, str]]] = {
     "kernel": [],
+    "no seams": [_NO_SEAMS],
+    "seams, no flush": [_NO_FLUSH],
+    "seam buffer unused": [_SEAMS_UNUSED],
+    "region cut": _CUT,
+    "region cut, no seams": [*_CUT, _NO_SEAMS],
+    "seam checks only": [_NO_FLUSH, _NO_ROUTE],
     "no y stores": [
+        _NO_SEAMS,
         (_C_OK, "const bool c_ok = (kAllChannels || 8 * j + s < c_left)" + _NEVER + ";"),
         ("  u32 word[2] = {0u, 0u};\n", "  u32 word[2] = {0u, 0u};\n  u32 sink = 0;\n"),
         (
@@ -189,14 +287,16 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
         (_DISPATCH, _DISPATCH + "  if (p.n > (1 << 30)) tw[0] = sink;\n"),
     ],
     "stores to L2": [
+        _NO_SEAMS,
         (
             "T* yc = y + ((long long)at.n * p.cout + tile_n + 2 * t) * out_plane +\n"
             "          (long long)(at.oh0 + row) * p.ow",
             "T* yc = y + ((long long)0 * p.cout + tile_n + 2 * t) * out_plane +\n"
             "          (long long)((at.oh0 & 7) + row) * p.ow",
-        )
+        ),
     ],
     "aligned, to L2": [
+        _NO_SEAMS,
         (
             "  const long long out_plane = (long long)p.oh * p.ow;\n"
             "  // channel 2 t + 8 j + s exists",
@@ -212,28 +312,17 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
     ],
     "8-byte stores": [
         (
-            _VEC16,
-            "{ *reinterpret_cast<uint2*>(dst) = make_uint2(out.w[0], out.w[1]);"
-            " *reinterpret_cast<uint2*>(dst + 2) = make_uint2(out.w[2], out.w[3]); }",
-        ),
-        (
-            _SHIFT16,
-            "if (whole) { *reinterpret_cast<uint2*>(dst + 2) = make_uint2(out.w[2], out.w[3]);"
-            " *reinterpret_cast<uint2*>(dst + 4) = make_uint2(n0, n1); }",
-        ),
-    ],
-    "streaming stores": [
-        (
-            _VEC16,
-            "__stcs(reinterpret_cast<uint4*>(dst), "
-            "make_uint4(out.w[0], out.w[1], out.w[2], out.w[3]));",
-        ),
-        (
-            _SHIFT16,
-            "if (whole) __stcs(reinterpret_cast<uint4*>(dst + 2), "
-            "make_uint4(out.w[2], out.w[3], n0, n1));",
+            _PUT,
+            "  if constexpr (sizeof(V) == 16) {\n"
+            "    const uint4 u = reinterpret_cast<const uint4&>(v);\n"
+            "    *reinterpret_cast<uint2*>(dst) = make_uint2(u.x, u.y);\n"
+            "    *reinterpret_cast<uint2*>(dst + 2) = make_uint2(u.z, u.w);\n"
+            "  } else {\n"
+            "    *reinterpret_cast<V*>(dst) = v;\n"
+            "  }\n",
         ),
     ],
+    "streaming stores": [(_PUT, "  __stcs(reinterpret_cast<V*>(dst), v);\n")],
     "no ring copy": [
         (
             "      if (staged)\n        unstage_rows<T, kPasses>(",
@@ -257,13 +346,20 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
     "in step every 2": [(_STEP, "constexpr int kStoreStep = 2;")],
     "in step every 4": [(_STEP, "constexpr int kStoreStep = 4;")],
     "in step every 8": [(_STEP, "constexpr int kStoreStep = 8;")],
+    "no row-end lines": _skip_lines("pos < head || pos + 3 >= tail"),
+    "no second line": _skip_lines("pos + 3 >= head && pos < head + 32"),
     "one tile per block": [
         (
-            "per_block = math.ceil(n_tiles / max(1, _blocks(device, k, tl.smem) // col_tiles))",
+            "per_block = math.ceil(n_tiles / max(1, _blocks(device, k, smem) // col_tiles))",
             "per_block = 1",
         )
     ],
     "bulk stores": [
+        _NO_SEAMS,
+        (  # (nor the seams' code: no register store left)
+            "  if constexpr (kWgmma && kPasses == 1 && !kChannelsLast && sizeof(T) == 4) {",
+            "  if constexpr (false) {",
+        ),
         (_DISPATCH, _BULK_EPILOGUE),
         (_LAST_MASK, '  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");\n' + _LAST_MASK),
         (

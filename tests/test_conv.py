@@ -431,7 +431,9 @@ def test_host_sizes_mirror_the_kernels_constants():
         "kPatchPart": _conv.PATCH_PART,
         "kWeightStride": _conv.WEIGHT_STRIDE,
         "kWeightPart": _conv.WEIGHT_PART,
+        "kSeamStride": _conv.SEAM_STRIDE,
     }
+    assert consts["kSeamFloats"] * 4 == _conv.SEAM_BYTES
     assert {k: consts[k] for k in mirrors} == mirrors
 
 
@@ -728,6 +730,93 @@ def test_fused_forward_staged_rows_match_plain_loads(case, dtype, algorithm, mon
     assert torch.equal(y.view(bits), y3.view(bits))
     assert torch.equal(mask, mask2) and torch.equal(mask, mask3)
     assert torch.equal(_impl.mask_to_bits(mask.cpu(), tuple(y.shape), False), (y > 0).cpu())
+
+
+# Shapes whose float32 one-pass forward stores the line two rows share whole
+# (the row seams, _conv.seam_bytes): 126 columns, with runs of several tiles
+# per block; 98 columns under 40 channels (a partial channel tile); the
+# narrowest, 66 columns, under two channel tiles (the second of 6); stride 2
+# with padding.
+SEAM_CASES = [
+    ((16, 8, 130, 128), (64, 8, 3, 3), 1, 0, 1),
+    ((3, 5, 68, 100), (40, 5, 3, 3), 1, 0, 1),
+    ((2, 3, 50, 68), (70, 3, 3, 3), 1, 0, 1),
+    ((2, 4, 103, 251), (16, 4, 3, 3), 2, 1, 1),
+]
+
+
+def test_seam_bytes_where_the_kernel_takes_them(monkeypatch):
+    """The row seams' buffer goes to float32 one-pass NCHW forwards on sm_90
+    whose rows (one tile each) share lines: the seam cases and the seed
+    shape, keeping three blocks per SM; not to three passes, 16-bit types,
+    channels-last, other devices, rows of whole lines (128 columns), odd
+    widths or planes of odd pairs, nor with FORWARD_SEAMS off. The launch
+    asks for it after the tiling's shared memory."""
+    seed = ((128, 8, 128, 128), (64, 8, 3, 3), 1, 0, 1)
+
+    def seams(case, n_passes=1, dtype="float32", sm=90, cl=False):
+        g = _conv.geometry("f", *case)
+        return _conv.seam_bytes(g, _conv.launch_tiling(g, n_passes, True), n_passes, dtype, sm, cl)
+
+    for case in (*SEAM_CASES, seed):
+        assert seams(case) == _conv.SEAM_BYTES
+        g = _conv.geometry("f", *case)
+        assert _conv.launch_tiling(g, 1, True).smem + _conv.SEAM_BYTES <= _conv.SEAM_SMEM_MAX
+        assert seams(case, n_passes=3) == seams(case, dtype="float16") == 0
+        assert seams(case, cl=True) == seams(case, sm=80) == seams(case, sm=100) == 0
+    for xs in ((2, 8, 128, 130), (2, 8, 128, 129), (2, 8, 127, 128), (2, 8, 20, 60)):
+        assert seams((xs, (64, 8, 3, 3), 1, 0, 1)) == 0, xs  # 128, odd, 125 x 126, 58 columns
+    monkeypatch.setattr(_conv, "FORWARD_SEAMS", False)
+    assert seams(seed) == 0
+    monkeypatch.setattr(_conv, "FORWARD_SEAMS", True)
+    launched = _record_launches(monkeypatch)
+    kernels = _conv.ForwardKernels(_conv.ConvKernel(1, 7, None), _conv.ConvKernel(2, 7, None))
+    monkeypatch.setattr(_conv, "kernel", lambda *args: kernels)
+    g = _conv.geometry("f", *seed)
+    _conv.launch(0, "float32", "tf32", False, g, 5, 256, 16, 32, 48, 64, 0.01, 2.0, "f")
+    assert launched[0][2] == _conv.launch_tiling(g, 1, True).smem + _conv.SEAM_BYTES
+
+
+def _poisoned(shape, offset: int) -> torch.Tensor:
+    """A float32 CUDA tensor of ``shape`` starting ``offset`` elements into its
+    buffer (256-byte aligned), every element the NaN POISON."""
+    n = math.prod(shape)
+    buf = torch.full((n + 64,), POISON, dtype=torch.int32, device="cuda")
+    return buf[offset : offset + n].view(torch.float32).view(shape)
+
+
+POISON = 0x7FBADBAD  # a NaN the kernels never write from finite inputs
+
+
+@gpu
+@pytest.mark.parametrize("case", range(len(SEAM_CASES)), ids=[f"seam{i}" for i in range(4)])
+def test_fused_forward_row_seams_match_each_tile_storing_its_rows(case, monkeypatch):
+    """The float32 one-pass forward with its row seams: every output element
+    written (outputs poisoned first), within the float64 bound, and bit for
+    bit the output and mask of the same forward without the seams
+    (FORWARD_SEAMS off); with y on a 128-byte boundary, 16 bytes past one
+    (seams still taken) and 4 bytes past one (not 16-byte aligned: none)."""
+    _check_accuracy(SEAM_CASES[case], 300 + case, torch.float32, "fused_tf32", False)
+    xs, ws, stride, padding, dilation = SEAM_CASES[case]
+    x, w, b = _xwb(xs, ws, "cuda", torch.float32, seed=300 + case)
+    g = _conv.geometry("f", xs, ws, stride, padding, dilation)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def forward(offset):
+        y = _poisoned(g.out_shape, offset)
+        mask = torch.zeros(mask_nbytes(y.numel()), dtype=torch.uint8, device="cuda")
+        ptrs = (x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), mask.data_ptr())
+        _conv.launch(0, "float32", "tf32", False, g, stream, *ptrs, SLOPE, DIVISOR, "f")
+        assert not (y.view(torch.int32) == POISON).any()
+        return y.view(torch.int32), mask
+
+    runs = [forward(offset) for offset in (0, 4, 1)]
+    monkeypatch.setattr(_conv, "FORWARD_SEAMS", False)
+    plain, plain_mask = forward(0)
+    for y, mask in runs:
+        assert torch.equal(y, plain) and torch.equal(mask, plain_mask)
+    bits = _impl.mask_to_bits(plain_mask.cpu(), tuple(g.out_shape), False)
+    assert torch.equal(bits, (plain.view(torch.float32) > 0).cpu())
 
 
 @gpu

@@ -12,6 +12,7 @@ both layouts and three dtypes; the same inputs give the same bits.
 
 import ctypes
 import importlib.util
+import re
 import subprocess
 from pathlib import Path
 
@@ -956,6 +957,12 @@ def test_forward_stores_copies_make_their_change(tmp_path, monkeypatch):
     assert "cp.async.bulk.global.shared::cta.bulk_group" in bulk and "st.global" not in bulk
     assert ptx["stores to L2"] != ptx["kernel"] != ptx["aligned, to L2"] != ptx["stores to L2"]
     assert ptx["odd warps reversed"] != ptx["addresses per store"] != ptx["kernel"]
+    skips = [ptx[v] for v in ("no row-end lines", "no second line")]
+    assert skips[0] != skips[1] and ptx["kernel"] not in skips
+    same = [re.sub(r"stores_cu_\w+?_\d+", "", ptx[v]) for v in ("no seams", "kernel")]
+    assert same[0] == same[1]  # (the host's switch; NVRTC names its internals per compile)
+    launch = tmp_path / str(list(fs.VARIANTS).index("no seams")) / "cupy_act" / "_conv.py"
+    assert "FORWARD_SEAMS = False\n" in launch.read_text()
     steps = {v: ptx[v].count("bar.sync 1, 128;") for v in ptx}
     assert steps["not in step"] == 0 < steps["in step every 8"] < steps["in step every 4"]
     assert steps["in step every 4"] < steps["in step every 2"] < steps["kernel"]
