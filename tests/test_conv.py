@@ -8,6 +8,7 @@ fallbacks.
 """
 
 import functools
+import itertools
 import math
 import random
 import re
@@ -775,6 +776,73 @@ def test_seam_bytes_where_the_kernel_takes_them(monkeypatch):
     g = _conv.geometry("f", *seed)
     _conv.launch(0, "float32", "tf32", False, g, 5, 256, 16, 32, 48, 64, 0.01, 2.0, "f")
     assert launched[0][2] == _conv.launch_tiling(g, 1, True).smem + _conv.SEAM_BYTES
+
+
+def _seam_model(ow: int, oh: int, chans: int, y: int) -> dict[int, int]:
+    """conv2d.cu's row seams as a model (float32, one block walking every row
+    of one image, byte addresses from y): each warp-lane's store units (the
+    aligned vectors of store_vectors, or store_shifted's on rows 8 bytes into
+    a 16-byte unit), routed as epilogue_wgmma_nchw routes them (warp 0 to the
+    line of the previous row's last element, other lanes near the row's end
+    to that of the next row's first; the route of channel c % 8 at the same
+    row, as the kernel works it out once per tile), and the seam lines
+    stored whole after each tile (put_seams). Returns how often each element
+    went out; asserts that each seam line fills whole."""
+    plane, out, seam = oh * ow, {}, {}
+
+    def put(at: int, nbytes: int) -> None:
+        for e in range(at, at + nbytes, 4):
+            out[e] = out.get(e, 0) + 1
+
+    def row_start(c: int, r: int) -> int:
+        return y + (c * plane + r * ow) * 4
+
+    for r in range(oh):
+        for c in range(chans):
+            rs, rs8 = row_start(c, r), row_start(c % 8, r)
+            for w, g in itertools.product(range(4), range(8)):
+                col = 32 * w + 4 * g
+                valid, nxt = max(0, min(4, ow - col)), max(0, min(4, ow - col - 4))
+                a = rs + 4 * col
+                if rs % 16 == 8:  # store_shifted's units
+                    units = [(a + 8, 16)] if g < 7 and valid == 4 and nxt >= 2 else []
+                    units += [(a, 8)] if g == 0 and valid >= 2 else []
+                    units += [(a + 8, 8)] if g == 7 and valid == 4 else []
+                else:
+                    units = [(a, 4 * valid)] if valid else []
+                on = r > 0 if w == 0 else r + 1 < oh and col + 4 > ow - 32
+                key8 = rs8 - 4 if w == 0 else rs8 + 4 * ow
+                for u, n in units:
+                    assert u // 128 == (u + n - 1) // 128  # (no unit crosses a line)
+                    if on and ((u - rs + rs8) ^ key8) < 128:
+                        lower = r - 1 if w == 0 else r
+                        seam.setdefault((lower % 2, c, u // 128), set()).update(range(u, u + n, 4))
+                    else:
+                        put(u, n)
+        for c in range(chans if r > 0 else 0):  # put_seams after the tile
+            rs = row_start(c, r)
+            if rs % 128:
+                line = rs // 128 * 128
+                assert seam.pop(((r - 1) % 2, c, rs // 128)) == set(range(line, line + 128, 4))
+                put(line, 128)
+    assert not seam
+    return out
+
+
+def test_seam_routes_send_every_element_out_once():
+    """The row seams' rule (_seam_model) over the widths _conv.seam_bytes
+    admits, heights from 2 and y at several 16-byte offsets from a line:
+    every output element goes out exactly once, each seam line whole, and
+    channels 8 apart route alike (the kernel's once-per-tile routes), which
+    holds because the plane is a multiple of 4 elements."""
+    checked = 0
+    for ow, oh, y in itertools.product(range(66, 127, 4), (2, 3, 4), (0, 16, 48, 112)):
+        if (oh * ow) % 4:
+            continue
+        got = _seam_model(ow, oh, 9, y)
+        assert got == dict.fromkeys(range(y, y + 4 * 9 * oh * ow, 4), 1), (ow, oh, y)
+        checked += 1
+    assert checked > 40
 
 
 def _poisoned(shape, offset: int) -> torch.Tensor:
