@@ -595,6 +595,14 @@ __device__ __forceinline__ void warps_in_step() {
   asm volatile("bar.sync 1, %0;" ::"n"(kConvThreads) : "memory");
 }
 
+// Whether every float32 row of y starts on a 128-byte line (widths a
+// multiple of 32, y on a line): then no line is shared, neither between a
+// row's warps nor between rows. The same for the whole block.
+template <typename T>
+__device__ __forceinline__ bool rows_on_lines(const ConvParams& p, const T* y) {
+  return sizeof(T) == 4 && (p.ow & 31) == 0 && ((u64)y & 127) == 0;
+}
+
 // The bias values come from shared memory (bias_s(tw): the block's 64 channels,
 // zero past cout; a global load per tile left every warp waiting on it).
 // Mask bits are gathered for every value; those outside the output (past
@@ -633,10 +641,9 @@ __device__ __forceinline__ void epilogue_wgmma_nchw(const float (&acc)[2][32], c
   const int next_valid = kShifts ? __shfl_down_sync(0xffffffffu, valid, 4) : 0;  // lane g + 1's
   const bool shifted = kShifts && __all_sync(0xffffffffu, p.c_log2 == 7 && (out_plane & 3) == 0 &&
                                                               ((u64)yc & 15) == 8);
-  // Rows whose warp runs all start on a line (float32 runs of 128 bytes,
-  // widths a multiple of 32, y on a line) share no line between warps: no
-  // barrier (it cost 4% at 128 columns). The same for the whole block.
-  const bool in_step = !(sizeof(T) == 4 && (p.ow & 31) == 0 && ((u64)y & 127) == 0);
+  // Rows on lines share no line between warps: no barrier (it cost 4% at
+  // 128 columns).
+  const bool in_step = !rows_on_lines(p, y);
   // Row seams (forward_tiles; null where this tile stores the line itself):
   // warp 0's units in the line the previous row ends in go to seam_head, the
   // other warps' units in the line the next row starts in to seam_tail, a
@@ -993,7 +1000,7 @@ __device__ __forceinline__ void forward_tiles(const ConvParams& p, const TensorM
     float* buf = reinterpret_cast<float*>(bs + w_alloc);
     const bool fits = (u32)(buf + kSeamFloats - smem) * 4 <= dyn;
     if (fits && p.c_log2 == 7 && p.tiles_w == 1 && p.ow >= 64 && (p.ow & 1) == 0 &&
-        (out_plane & 3) == 0 && ((u64)y & 15) == 0 && !((p.ow & 31) == 0 && ((u64)y & 127) == 0))
+        (out_plane & 3) == 0 && ((u64)y & 15) == 0 && !rows_on_lines(p, y))
       seam = buf;
   }
   bool seam_flush = false;  // the last tile's head line waits in the buffer (its row - 1's set)

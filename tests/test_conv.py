@@ -845,17 +845,6 @@ def test_seam_routes_send_every_element_out_once():
     assert checked > 40
 
 
-def _poisoned(shape, offset: int) -> torch.Tensor:
-    """A float32 CUDA tensor of ``shape`` starting ``offset`` elements into its
-    buffer (256-byte aligned), every element the NaN POISON."""
-    n = math.prod(shape)
-    buf = torch.full((n + 64,), POISON, dtype=torch.int32, device="cuda")
-    return buf[offset : offset + n].view(torch.float32).view(shape)
-
-
-POISON = 0x7FBADBAD  # a NaN the kernels never write from finite inputs
-
-
 @gpu
 @pytest.mark.parametrize("case", range(len(SEAM_CASES)), ids=[f"seam{i}" for i in range(4)])
 def test_fused_forward_row_seams_match_each_tile_storing_its_rows(case, monkeypatch):
@@ -864,18 +853,23 @@ def test_fused_forward_row_seams_match_each_tile_storing_its_rows(case, monkeypa
     bit the output and mask of the same forward without the seams
     (FORWARD_SEAMS off); with y on a 128-byte boundary, 16 bytes past one
     (seams still taken) and 4 bytes past one (not 16-byte aligned: none)."""
+    from test_ops_gpu import poison  # (a NaN pattern no kernel here writes)
+
     _check_accuracy(SEAM_CASES[case], 300 + case, torch.float32, "fused_tf32", False)
     xs, ws, stride, padding, dilation = SEAM_CASES[case]
     x, w, b = _xwb(xs, ws, "cuda", torch.float32, seed=300 + case)
     g = _conv.geometry("f", xs, ws, stride, padding, dilation)
     stream = torch.cuda.current_stream().cuda_stream
 
-    def forward(offset):
-        y = _poisoned(g.out_shape, offset)
-        mask = torch.zeros(mask_nbytes(y.numel()), dtype=torch.uint8, device="cuda")
+    n = math.prod(g.out_shape)
+    mark = poison((1,), torch.float32).view(torch.int32)
+
+    def forward(offset):  # y `offset` elements into a poisoned, 256-byte aligned buffer
+        y = poison((n + 64,), torch.float32)[offset : offset + n].view(g.out_shape)
+        mask = torch.zeros(mask_nbytes(n), dtype=torch.uint8, device="cuda")
         ptrs = (x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), mask.data_ptr())
         _conv.launch(0, "float32", "tf32", False, g, stream, *ptrs, SLOPE, DIVISOR, "f")
-        assert not (y.view(torch.int32) == POISON).any()
+        assert not (y.view(torch.int32) == mark).any()
         return y.view(torch.int32), mask
 
     runs = [forward(offset) for offset in (0, 4, 1)]
