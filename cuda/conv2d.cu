@@ -295,41 +295,29 @@ __device__ __forceinline__ Words4<T> words4(const T (&e)[4]) {
   return out;
 }
 
-// Where a float32 store's units go on rows with seams (forward_tiles): the
-// unit at the store's address (`at0`, `r0`) and the one 8 bytes on (`at8`,
-// `r8`) each to its place in the seam buffer where r0 / r8, else to y.
-struct Seam {
-  float *at0, *at8;
-  bool r0, r8;
-};
-
-// A vector (uint4 or uint2) of the output to y.
+// A vector (uint4 or uint2) of the output to its place where ok: y, or for
+// the units of a seam line (forward_tiles) the seam buffer, the pointer then
+// generic (one store instruction for either place).
 template <typename V, typename T>
-__device__ __forceinline__ void put_global(T* dst, const V& v) {
-  *reinterpret_cast<V*>(dst) = v;
+__device__ __forceinline__ void put_unit(T* dst, const V& v, bool ok) {
+  if (ok) *reinterpret_cast<V*>(dst) = v;
 }
 
-// The vector v to dst where ok: with kSeam, to `seam` instead where `route`.
-template <bool kSeam, typename V, typename T>
-__device__ __forceinline__ void put_unit(T* dst, const V& v, bool ok, bool route, float* seam) {
-  if (kSeam && ok && route) *reinterpret_cast<V*>(seam) = v;
-  if (ok && !(kSeam && route)) put_global(dst, v);
-}
-
-// The vectors of r (not its rest), where ok (float32 through put_unit).
-template <bool kSeam = false, typename T>
-__device__ __forceinline__ void store_vectors(T* dst, const T (&e)[4], const Run4& r, bool ok,
-                                              const Seam& sm = Seam{}) {
+// The vectors of r (not its rest), where ok. float32: the unit at the run's
+// first element goes to u0, the one two elements on to u8 (dst and dst + 2,
+// or their places in the seam buffer).
+template <typename T>
+__device__ __forceinline__ void store_vectors(T* u0, T* u8, const T (&e)[4], const Run4& r,
+                                              bool ok) {
   const Words4<T> out = words4(e);
   if (sizeof(T) == 4) {
-    const uint4 all = make_uint4(out.w[0], out.w[1], out.w[2], out.w[3]);
-    put_unit<kSeam>(dst, all, ok && r.all, sm.r0, sm.at0);
-    put_unit<kSeam>(dst, make_uint2(out.w[0], out.w[1]), ok && r.lo, sm.r0, sm.at0);
-    put_unit<kSeam>(dst + 2, make_uint2(out.w[2], out.w[3]), ok && r.hi, sm.r8, sm.at8);
+    put_unit(u0, make_uint4(out.w[0], out.w[1], out.w[2], out.w[3]), ok && r.all);
+    put_unit(u0, make_uint2(out.w[0], out.w[1]), ok && r.lo);
+    put_unit(u8, make_uint2(out.w[2], out.w[3]), ok && r.hi);
   } else {
-    if (ok && r.all) *reinterpret_cast<uint2*>(dst) = make_uint2(out.w[0], out.w[1]);
-    if (ok && r.lo) *reinterpret_cast<u32*>(dst) = out.w[0];
-    if (ok && r.hi) *reinterpret_cast<u32*>(dst + 2) = out.w[1];
+    if (ok && r.all) *reinterpret_cast<uint2*>(u0) = make_uint2(out.w[0], out.w[1]);
+    if (ok && r.lo) *reinterpret_cast<u32*>(u0) = out.w[0];
+    if (ok && r.hi) *reinterpret_cast<u32*>(u0 + 2) = out.w[1];
   }
 }
 
@@ -351,24 +339,23 @@ struct Flag {
 // `next_valid` lane g + 1's; every lane must call it (the shuffles). Taken
 // for float32 only (epilogue_wgmma_nchw): 16-bit outputs were slower with it
 // in a first version.
-template <bool kSeam = false, typename T>
-__device__ __forceinline__ void store_shifted(T* dst, const T (&e)[4], int g, int valid,
-                                              int next_valid, bool ok, const Seam& sm = Seam{}) {
+template <typename T>
+__device__ __forceinline__ void store_shifted(T* u0, T* u8, const T (&e)[4], int g, int valid,
+                                              int next_valid, bool ok) {
   const Words4<T> out = words4(e);
   const bool lead = g == 0 && valid >= 2, trail = g == 7 && valid == 4;
   const bool whole = ok && g < 7 && valid == 4 && next_valid >= 2;
   if (sizeof(T) == 4) {
     const u32 n0 = __shfl_down_sync(0xffffffffu, out.w[0], 4);
     const u32 n1 = __shfl_down_sync(0xffffffffu, out.w[1], 4);
-    put_unit<kSeam>(dst + 2, make_uint4(out.w[2], out.w[3], n0, n1), whole, sm.r8, sm.at8);
-    put_unit<kSeam>(lead ? dst : dst + 2,
-                    lead ? make_uint2(out.w[0], out.w[1]) : make_uint2(out.w[2], out.w[3]),
-                    ok && (lead || trail), lead ? sm.r0 : sm.r8, lead ? sm.at0 : sm.at8);
+    put_unit(u8, make_uint4(out.w[2], out.w[3], n0, n1), whole);
+    put_unit(lead ? u0 : u8, lead ? make_uint2(out.w[0], out.w[1]) : make_uint2(out.w[2], out.w[3]),
+             ok && (lead || trail));
   } else {
     const u32 n = __shfl_down_sync(0xffffffffu, out.w[0], 4);
-    if (whole) *reinterpret_cast<uint2*>(dst + 2) = make_uint2(out.w[1], n);
+    if (whole) *reinterpret_cast<uint2*>(u0 + 2) = make_uint2(out.w[1], n);
     if (ok && (lead || trail))
-      *reinterpret_cast<u32*>(lead ? dst : dst + 2) = lead ? out.w[0] : out.w[1];
+      *reinterpret_cast<u32*>(lead ? u0 : u0 + 2) = lead ? out.w[0] : out.w[1];
   }
 }
 
@@ -654,28 +641,51 @@ __device__ __forceinline__ void epilogue_wgmma_nchw(const float (&acc)[2][32], c
   // Where a unit goes depends on its address modulo 128 alone, and seams
   // come with planes of whole 4-element vectors, so channels 8 apart (8
   // planes: a multiple of 128 bytes) route alike: worked out once per tile
-  // for the lane's two channels (s), at its first address and 8 bytes on.
-  Seam seam_s[2] = {Seam{nullptr, nullptr, false, false}, Seam{nullptr, nullptr, false, false}};
-  if (sizeof(T) == 4 && seam_on) {
+  // for the lane's two channels (s), at its first address (r0) and 8 bytes
+  // on (r8). Each of the four then has a pointer of its own, to y or into
+  // the seam buffer, stepped 8 channels on per j: the store loop tests no
+  // route. (Tested at every store, as first written, the seed's TF32
+  // forward took 316 us against 326 without the seams on an H100; with the
+  // pointers 287 against 326, scripts/forward_stores.py.)
+  T* unit[2][2] = {};  // [s][0: the first unit, 1: the one 8 bytes on]
+  int unit_step[2][2] = {};
+  if (sizeof(T) == 4 && seam_line != nullptr) {
     const u32 to_key = warp == 0 ? 0u - 4u * (u32)(col + 1) : 4u * (u32)(p.ow - col);
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
-      const u32 a = (u32)(u64)(yc + s * out_plane), key = a + to_key;
+      T* ys = yc + s * out_plane;
+      const u32 a = (u32)(u64)ys, key = a + to_key;
       float* line = seam_line + (2 * t + s) * kSeamStride;
-      seam_s[s].at0 = line + ((a & 127u) >> 2);
-      seam_s[s].at8 = line + (((a + 8u) & 127u) >> 2);
-      seam_s[s].r0 = (a ^ key) < 128u;
-      seam_s[s].r8 = ((a + 8u) ^ key) < 128u;
+      bool r[2];
+      r[0] = seam_on && (a ^ key) < 128u;
+      r[1] = seam_on && ((a + 8u) ^ key) < 128u;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        T* into = reinterpret_cast<T*>(line + (((a + 8u * h) & 127u) >> 2));
+        unit[s][h] = r[h] ? into : ys + 2 * h;
+        unit_step[s][h] = r[h] ? 8 * kSeamStride : 8 * (int)out_plane;  // (seam_bytes: fits)
+      }
     }
   }
   u32 word[2] = {0u, 0u};
   auto channels = [&](auto vectors, auto seam) {
+    constexpr bool kSeam = decltype(seam)::value;
+    // the seam loop's stores are generic (either space), so the compiler may
+    // not move a bias load ahead of one: the values are loaded first
+    T bias_r[kSeam ? 16 : 1];
+    if constexpr (kSeam)
+#pragma unroll
+      for (int i = 0; i < 16; ++i) bias_r[i] = bias_s<T>(tw)[2 * t + 8 * (i >> 1) + (i & 1)];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
 #pragma unroll
       for (int s = 0; s < 2; ++s) {
         const bool c_ok = kAllChannels || 8 * j + s < c_left;
-        const T b = bias_s<T>(tw)[2 * t + 8 * j + s];
+        T b;
+        if constexpr (kSeam)
+          b = bias_r[2 * j + s];
+        else
+          b = bias_s<T>(tw)[2 * t + 8 * j + s];
         T v[4];
         u32 bits = 0;
 #pragma unroll
@@ -684,18 +694,20 @@ __device__ __forceinline__ void epilogue_wgmma_nchw(const float (&acc)[2][32], c
           v[q] = epilogue_value(acc[q >> 1][4 * j + 2 * (q & 1) + s], op, has_bias, b, alpha, bit);
           bits |= (u32)bit << q;
         }
-        constexpr bool kSeam = decltype(seam)::value;
-        Seam sm{};
-        if (kSeam)
-          sm = Seam{seam_s[s].at0 + 8 * j * kSeamStride, seam_s[s].at8 + 8 * j * kSeamStride,
-                    seam_s[s].r0, seam_s[s].r8};
+        T* u0 = kSeam ? unit[s][0] : yc;
+        T* u8 = kSeam ? unit[s][1] : yc + 2;
         if (decltype(vectors)::value && shifted)
-          store_shifted<kSeam>(yc, v, g, valid, next_valid, c_ok, sm);
+          store_shifted(u0, u8, v, g, valid, next_valid, c_ok);
         else if (decltype(vectors)::value)
-          store_vectors<kSeam>(yc, v, how, c_ok, sm);
+          store_vectors(u0, u8, v, how, c_ok);
         else
           store_n(yc, v, c_ok ? valid : 0);
-        yc += s == 0 ? out_plane : 7 * out_plane;
+        if constexpr (kSeam) {
+          unit[s][0] += unit_step[s][0];
+          unit[s][1] += unit_step[s][1];
+        } else {
+          yc += s == 0 ? out_plane : 7 * out_plane;
+        }
         word[j >> 2] |= bits << (4 * (2 * (j & 3) + s));
         if (in_step && (2 * j + s) % kStoreStep == kStoreStep - 1) warps_in_step();
       }
@@ -705,8 +717,8 @@ __device__ __forceinline__ void epilogue_wgmma_nchw(const float (&acc)[2][32], c
   // or 8-byte ones on rows that start 8 bytes into a 16-byte unit, and at the
   // right edge), predicated vector stores with no branch; else (odd widths,
   // unaligned outputs) store_n's branches. A warp-wide choice, once per tile;
-  // warps with seam units take the vector stores through put_unit (seams
-  // are only where no lane needs store_n).
+  // warps with seam units store through their units' pointers (seams are
+  // only where no lane needs store_n).
   if (__any_sync(0xffffffffu, how.rest))
     channels(Flag<false>(), Flag<false>());
   else if (sizeof(T) == 4 && __any_sync(0xffffffffu, seam_on))
@@ -753,18 +765,25 @@ __device__ __forceinline__ void put_tile_mask_nchw(const ConvParams& p, const u3
 // The row seams of tile `at` (forward_tiles): for each channel whose row
 // does not start on a line, the line it shares with the row before, whole
 // from `lines` (the previous tile's part and this tile's), 8 lanes per line:
-// a warp's store writes 4 whole lines.
+// a warp's store writes 4 whole lines. A thread's channels are 16 apart (16
+// planes of whole 4-element vectors: a multiple of 128 bytes), so they start
+// alike within their lines; unrolled, the loads go out together.
 __device__ __forceinline__ void put_seams(const float* lines, float* y, const ConvParams& p,
                                           TileAt at, int tile_n, int tid) {
+  constexpr int kApart = kConvThreads / 8;
   const long long out_plane = (long long)p.oh * p.ow;
-  const int chans = min(kBN, p.cout - tile_n), q = tid & 7;
-  for (int c = tid >> 3; c < chans; c += kConvThreads / 8) {
-    float* row = y + ((long long)at.n * p.cout + tile_n + c) * out_plane + (long long)at.oh0 * p.ow;
-    const int into = (int)((u64)row & 127) >> 2;  // (pointer arithmetic keeps y's global space)
-    if (into != 0)
-      *reinterpret_cast<uint4*>(row - into + 4 * q) =
-          *reinterpret_cast<const uint4*>(lines + c * kSeamStride + 4 * q);
-  }
+  const int chans = min(kBN, p.cout - tile_n), q = tid & 7, c0 = tid >> 3;
+  float* row = y + ((long long)at.n * p.cout + tile_n + c0) * out_plane + (long long)at.oh0 * p.ow;
+  const int into = (int)((u64)row & 127) >> 2;  // (pointer arithmetic keeps y's global space)
+  uint4 v[kBN / kApart];
+#pragma unroll
+  for (int i = 0; i < kBN / kApart; ++i)
+    if (c0 + kApart * i < chans)
+      v[i] = *reinterpret_cast<const uint4*>(lines + (c0 + kApart * i) * kSeamStride + 4 * q);
+#pragma unroll
+  for (int i = 0; i < kBN / kApart; ++i)
+    if (into != 0 && c0 + kApart * i < chans)
+      *reinterpret_cast<uint4*>(row + kApart * i * out_plane - into + 4 * q) = v[i];
 }
 
 // NHWC: a position's channels are consecutive, two per lane (one store of
@@ -988,11 +1007,11 @@ __device__ __forceinline__ void forward_tiles(const ConvParams& p, const TensorM
   // adds its own, and the tile after stores the line after its first
   // barrier. Written in two parts a tile apart, these lines cost the seed
   // shape's one-pass forward 15% (scripts/forward_stores.py, "no row-end
-  // lines"); with the seams it took 316-318 us against 325-326 on an H100,
-  // the lines' stores after the barrier 15 of those ("seams, no flush").
-  // Only where every store is a vector (even widths, planes of whole
-  // vectors, y 16-byte aligned: no store_n), and rows are not whole lines
-  // anyway.
+  // lines"); with the seams it took 287 us against 326 on an H100, the
+  // lines' stores after the barrier 12 of those ("seams, no flush"). Only
+  // where every store is a vector (even widths, planes of whole vectors, y
+  // 16-byte aligned: no store_n), and rows are not whole lines anyway; the
+  // host allots the buffer only where the seams pay (_conv.seams_pay).
   float* seam = nullptr;
   if constexpr (kWgmma && kPasses == 1 && !kChannelsLast && sizeof(T) == 4) {
     u32 dyn;
@@ -1000,7 +1019,7 @@ __device__ __forceinline__ void forward_tiles(const ConvParams& p, const TensorM
     float* buf = reinterpret_cast<float*>(bs + w_alloc);
     const bool fits = (u32)(buf + kSeamFloats - smem) * 4 <= dyn;
     if (fits && p.c_log2 == 7 && p.tiles_w == 1 && p.ow >= 64 && (p.ow & 1) == 0 &&
-        (out_plane & 3) == 0 && ((u64)y & 15) == 0 && !rows_on_lines(p, y))
+        (out_plane & 3) == 0 && out_plane < (1 << 28) && ((u64)y & 15) == 0 && !rows_on_lines(p, y))
       seam = buf;
   }
   bool seam_flush = false;  // the last tile's head line waits in the buffer (its row - 1's set)

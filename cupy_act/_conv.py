@@ -273,9 +273,22 @@ SEAM_BYTES = 4 * 2 * TILE_N * SEAM_STRIDE  # kSeamFloats, after the weights
 # seam buffer: three blocks per SM (its launch bounds), 1 KiB each reserved.
 SEAM_SMEM_MAX = 75 * 1024
 # The float32 one-pass forward's row seams on sm_90a (conv2d.cu's
-# forward_tiles: the line two rows share stored whole); False leaves each
-# tile to store its rows' end lines (tests compare the two).
-FORWARD_SEAMS = True
+# forward_tiles: the line two rows share stored whole): None where they were
+# measured to pay (seams_pay), True wherever the kernel takes them, False
+# never (each tile stores its rows' end lines; tests compare the two).
+FORWARD_SEAMS: bool | None = None
+
+
+def seams_pay(device_name: str, ow: int) -> bool:
+    """Where the row seams made the TF32 forward faster
+    (``scripts/forward_stores.py --seams``): on an H100 (80GB HBM3), widths
+    of 102 to 126 that are 2 mod 4 (every other row starts 8 bytes into a
+    16-byte unit): 9-10% at 118 and 126 columns, 5% at 110, 1% at 106; even
+    at 98. They cost 2-9% at the H100's other widths measured (66, 80, 112,
+    124: the stem's and the 5x5 shape's among them) and 3-14% at every width
+    measured on an H200, whose forward loses little to the lines two rows
+    share."""
+    return "H100" in device_name and 100 < ow < 128 and ow % 4 == 2
 
 
 def _layouts(g: Geometry):
@@ -600,6 +613,7 @@ def load(device: int) -> None:
 
 
 _sms: dict[int, int] = {}
+_names: dict[int, str] = {}
 
 
 def _sm(device: int) -> int:
@@ -610,6 +624,18 @@ def _sm(device: int) -> int:
 
         sm = _sms[device] = int(cupy.cuda.Device(device).compute_capability)
     return sm
+
+
+def _device_name(device: int) -> str:
+    """The device's name ("NVIDIA H100 80GB HBM3"), kept per device."""
+    name = _names.get(device)
+    if name is None:
+        import cupy
+
+        raw = cupy.cuda.runtime.getDeviceProperties(device)["name"]
+        name = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+        _names[device] = name
+    return name
 
 
 def _blocks(device: int, k: ConvKernel, smem: int) -> int:
@@ -739,17 +765,23 @@ class ForwardLaunch(NamedTuple):
 _forward_launches: dict[tuple, ForwardLaunch] = {}
 
 
-def seam_bytes(g: Geometry, tl: Tiling, n_passes: int, dtype: str, sm: int, cl: bool) -> int:
+def seam_bytes(
+    g: Geometry, tl: Tiling, n_passes: int, dtype: str, sm: int, cl: bool, device_name: str
+) -> int:
     """The row seams' buffer (bytes) the sm_90a forward gets after its
     weights, 0 where conv2d.cu's forward_tiles would not use it: float32, one
     pass, NCHW, one-row tiles over the whole width (C = 128, one column
     tile), widths of 64 or more, even, not a multiple of 32 (rows of whole
-    lines share none), planes of whole 4-element vectors, and three blocks
-    per SM kept. (The kernel also wants y 16-byte aligned, per call.)"""
+    lines share none), planes of whole 4-element vectors (fewer than 2^28
+    elements: a step of 8 planes in an int), and three blocks per SM kept;
+    with FORWARD_SEAMS None, only where ``seams_pay``. (The kernel also wants
+    y 16-byte aligned, per call.)"""
+    wanted = FORWARD_SEAMS or (FORWARD_SEAMS is None and seams_pay(device_name, g.ow))
     ok = (
-        FORWARD_SEAMS and sm == 90 and n_passes == 1 and dtype == "float32" and not cl
+        wanted and sm == 90 and n_passes == 1 and dtype == "float32" and not cl
         and tl.c_log2 == 7 and tl.tiles_w == 1 and g.ow >= 64 and g.ow % 2 == 0
-        and g.ow % 32 != 0 and g.oh * g.ow % 4 == 0 and tl.smem + SEAM_BYTES <= SEAM_SMEM_MAX
+        and g.ow % 32 != 0 and g.oh * g.ow % 4 == 0 and g.oh * g.ow < 1 << 28
+        and tl.smem + SEAM_BYTES <= SEAM_SMEM_MAX
     )  # fmt: skip
     return SEAM_BYTES if ok else 0
 
@@ -773,7 +805,7 @@ def forward_launch(
     ks = kernel(device, dtype, n_passes, channels_last)
     n_tiles = g.n * tl.tiles_h * tl.tiles_w
     col_tiles = math.ceil(g.cout / TILE_N)
-    smem = tl.smem + seam_bytes(g, tl, n_passes, dtype, sm, channels_last)
+    smem = tl.smem + seam_bytes(g, tl, n_passes, dtype, sm, channels_last, _device_name(device))
 
     def prepared(k: ConvKernel) -> Prepared:
         _allow_smem(k, smem)  # (before the occupancy query)

@@ -1,7 +1,7 @@
 """Where the fused forward's time goes: its output stores against the rest.
 
     PYTHONPATH=. python scripts/forward_stores.py [--algorithms fused_tf32 fused]
-        [--variants kernel "no y stores" ...] [--repeats 2] [--widths]
+        [--variants kernel "no y stores" ...] [--repeats 2] [--widths | --seams]
 
 The no-grad forward (no mask) of the seed shape (conv 8->64 3x3 on
 128x8x128x128 float32, NCHW), timed by CUDA events at the GPU's own clocks
@@ -10,12 +10,19 @@ calls), for this version and for copies of it with one part of the
 warpgroup-MMA kernel (sm_90a) changed or taken out. Timing only: most copies
 compute wrong outputs.
 
-  kernel             cuda/conv2d.cu as it is
+  kernel             cuda/conv2d.cu as it is (on an H100 with the row seams,
+                     _conv.seams_pay; on an H200 without)
   no seams           the row seams off (_conv.FORWARD_SEAMS): each tile stores
                      the lines its row shares with the rows before and after
                      itself, a tile apart from their other parts
+  seams              the row seams on, on any device (the variants below that
+                     study them take them too)
   seams, no flush    the seam lines' parts go to their buffer, but the lines
                      are never stored (wrong outputs: the time without them)
+  flush in MMA shadow  the seam lines stored while the next tile's first
+                     MMAs run (not after its first barrier), and a block
+                     barrier before its epilogue (whose seam parts go to the
+                     set being stored)
   seam checks only   the seam warps' stores checked as with the seams, none
                      routed, no seam line stored: the checks' cost
   seam buffer unused the seam buffer allotted (the block's shared memory as
@@ -73,7 +80,9 @@ compute wrong outputs.
 
 The copies whose stores go elsewhere or not at all ("no y stores", "stores
 to L2", "aligned, to L2", "addresses per store", "odd warps reversed", "no
-row-end lines", "no second line", "bulk stores") run without the seams.
+row-end lines", "no second line", "bulk stores") or differ in how they store
+("8-byte stores", "streaming stores": global stores only) run without the
+seams.
 
 Rows repeat ``--repeats`` times, variants interleaved; the minimum and every
 repeat are printed.
@@ -83,6 +92,11 @@ GPU kept busy while the host queues, ``testing.median_ms``) at input widths
 126, 128 and 130 (output rows of 124, 126 and 128 float32: 496 bytes, whole
 16-byte units; 504, every other row 8 bytes into one; 512, whole 128-byte
 lines), per call and per output element, the widths interleaved.
+
+--seams instead times this version's "fused_tf32" forward with the row
+seams on and off (``_conv.FORWARD_SEAMS``, in this process as ``--widths``)
+at conv_bench's shapes that take them (ref, stem, 5x5) and at the seed's
+channels and kernel with other output widths, interleaved.
 """
 
 from __future__ import annotations
@@ -98,7 +112,7 @@ _FILES = ("cuda/conv2d.cu", "cupy_act/_conv.py")
 
 _C_OK = "const bool c_ok = kAllChannels || 8 * j + s < c_left;"
 _NEVER = " && p.n > (1 << 30)"  # false for every real launch, unknown to the compiler
-_PUT = "  *reinterpret_cast<V*>(dst) = v;\n"  # put_global: each float32 vector of y
+_PUT = "  if (ok) *reinterpret_cast<V*>(dst) = v;\n"  # put_unit: each float32 vector
 _DISPATCH = """  if (__any_sync(0xffffffffu, how.rest))
     channels(Flag<false>(), Flag<false>());
   else if (sizeof(T) == 4 && __any_sync(0xffffffffu, seam_on))
@@ -108,17 +122,64 @@ _DISPATCH = """  if (__any_sync(0xffffffffu, how.rest))
 """
 # The seam lines never stored (put_seams), and the seam units never routed
 _NO_FLUSH = (
-    "    if (into != 0)\n      *reinterpret_cast<uint4*>(row - into + 4 * q) =",
-    f"    if (into != 0{_NEVER})\n      *reinterpret_cast<uint4*>(row - into + 4 * q) =",
+    "    if (into != 0 && c0 + kApart * i < chans)\n",
+    f"    if (into != 0 && c0 + kApart * i < chans{_NEVER})\n",
 )
 _NO_ROUTE = (
-    "      seam_s[s].r0 = (a ^ key) < 128u;\n      seam_s[s].r8 = ((a + 8u) ^ key) < 128u;",
-    f"      seam_s[s].r0 = (a ^ key) < 128u{_NEVER};\n"
-    f"      seam_s[s].r8 = ((a + 8u) ^ key) < 128u{_NEVER};",
+    "      r[0] = seam_on && (a ^ key) < 128u;\n      r[1] = seam_on && ((a + 8u) ^ key) < 128u;",
+    f"      r[0] = seam_on && (a ^ key) < 128u{_NEVER};\n"
+    f"      r[1] = seam_on && ((a + 8u) ^ key) < 128u{_NEVER};",
 )
+# The seam lines stored while the next tile's first MMAs run (a hook in
+# wgmma_chunk after its first step), with a block barrier before that
+# tile's epilogue, whose seam parts go to the set being stored
+_SHADOW = [
+    (
+        "    wgmma_step<kPasses>(acc, a0, b0 + 2 * k0);\n",
+        "    wgmma_step<kPasses>(acc, a0, b0 + 2 * k0);\n    if (k0 == 0) shadow();\n",
+    ),
+    (
+        "                                            const int* koff, u64 b0, int kc_pad, int t) {",
+        "                                            const int* koff, u64 b0, int kc_pad, int t,\n"
+        "                                            const Shadow& shadow) {",
+    ),
+    (
+        "template <int kPasses>\n__device__ __forceinline__ void wgmma_chunk(",
+        "template <int kPasses, typename Shadow>\n__device__ __forceinline__ void wgmma_chunk(",
+    ),
+    (
+        "        if (seam_flush)\n          put_seams(seam + ((at.oh0 - 1) & 1) * kBN * "
+        "kSeamStride, reinterpret_cast<float*>(y), p,\n                    at, tile_n, tid);\n",
+        "        done = at;\n",
+    ),
+    (
+        "  TileAt at = tile_at(p, tile_first);",
+        "  TileAt done{};\n  TileAt at = tile_at(p, tile_first);",
+    ),
+    (
+        "        wgmma_chunk<kPasses>(wacc, a_wg, koff, b_desc, p.kc_pad, t);",
+        "        const bool flush = seam_flush && c0 == 0;\n"
+        "        wgmma_chunk<kPasses>(wacc, a_wg, koff, b_desc, p.kc_pad, t, [&] {\n"
+        "          if (flush)\n"
+        "            put_seams(seam + ((done.oh0 - 1) & 1) * kBN * kSeamStride,\n"
+        "                      reinterpret_cast<float*>(y), p, done, tile_n, tid);\n"
+        "        });",
+    ),
+    (
+        "        seam_flush = head != nullptr;\n",
+        "        if (seam_flush) __syncthreads();\n        seam_flush = head != nullptr;\n",
+    ),
+]
 # Without the row seams (copies whose stores go elsewhere or not at all: the
 # seam lines would still be stored whole from their buffer)
-_NO_SEAMS = ("FORWARD_SEAMS = True\n", "FORWARD_SEAMS = False\n")
+_NO_SEAMS = ("FORWARD_SEAMS: bool | None = None\n", "FORWARD_SEAMS: bool | None = False\n")
+# The seams wherever the kernel takes them (not only where _conv.seams_pay):
+# the copies that study them do so on any sm_90 device
+_SEAMS = ("FORWARD_SEAMS: bool | None = None\n", "FORWARD_SEAMS: bool | None = True\n")
+_SEAM_SMEM = (
+    "    smem = tl.smem + seam_bytes(g, tl, n_passes, dtype, sm, channels_last, "
+    "_device_name(device))"
+)
 _TILE_BARRIER = (
     "      __syncthreads();  // the previous MMAs and epilogue are done with shared memory"
 )
@@ -197,10 +258,10 @@ _PER_STORE = [
         "#pragma unroll\n      for (int s = 0; s < 2; ++s) {\n"
         "        T* ycj = yc + (long long)(8 * j + s) * out_plane;\n        const bool c_ok",
     ),
-    ("store_shifted<kSeam>(yc, v,", "store_shifted<kSeam>(ycj, v,"),
-    ("store_vectors<kSeam>(yc, v,", "store_vectors<kSeam>(ycj, v,"),
+    ("T* u0 = kSeam ? unit[s][0] : yc;", "T* u0 = kSeam ? unit[s][0] : ycj;"),
+    ("T* u8 = kSeam ? unit[s][1] : yc + 2;", "T* u8 = kSeam ? unit[s][1] : ycj + 2;"),
     ("store_n(yc, v,", "store_n(ycj, v,"),
-    ("        yc += s == 0 ? out_plane : 7 * out_plane;\n", ""),
+    ("          yc += s == 0 ? out_plane : 7 * out_plane;\n", ""),
 ]
 
 
@@ -232,8 +293,8 @@ _CUT = [
         "      : ((region > kEpilogueFloats ? region : kEpilogueFloats) + 3) & ~3;",
     ),
     (
-        "    smem = tl.smem + seam_bytes(g, tl, n_passes, dtype, sm, channels_last)\n",
-        "    smem = tl.smem + seam_bytes(g, tl, n_passes, dtype, sm, channels_last)\n"
+        f"{_SEAM_SMEM}\n",
+        f"{_SEAM_SMEM}\n"
         "    if n_passes == 1 and sm == 90 and not channels_last:\n"
         "        cut = (tl.cc + 1) * tl.patch_h * tl.patch_w + AFTER_PATCH_WORDS + 1200\n"
         "        old = max(cut - 1200, EPILOGUE_FLOATS)\n"
@@ -270,11 +331,13 @@ def _skip_lines(which: str) -> list[tuple[str, str]]:
 VARIANTS: dict[str, list[tuple[str, str]]] = {
     "kernel": [],
     "no seams": [_NO_SEAMS],
-    "seams, no flush": [_NO_FLUSH],
-    "seam buffer unused": [_SEAMS_UNUSED],
-    "region cut": _CUT,
+    "seams": [_SEAMS],
+    "seams, no flush": [_SEAMS, _NO_FLUSH],
+    "flush in MMA shadow": [_SEAMS, *_SHADOW],
+    "seam buffer unused": [_SEAMS, _SEAMS_UNUSED],
+    "region cut": [_SEAMS, *_CUT],
     "region cut, no seams": [*_CUT, _NO_SEAMS],
-    "seam checks only": [_NO_FLUSH, _NO_ROUTE],
+    "seam checks only": [_SEAMS, _NO_FLUSH, _NO_ROUTE],
     "no y stores": [
         _NO_SEAMS,
         (_C_OK, "const bool c_ok = (kAllChannels || 8 * j + s < c_left)" + _NEVER + ";"),
@@ -311,8 +374,10 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
         ),
     ],
     "8-byte stores": [
+        _NO_SEAMS,
         (
             _PUT,
+            "  if (!ok) return;\n"
             "  if constexpr (sizeof(V) == 16) {\n"
             "    const uint4 u = reinterpret_cast<const uint4&>(v);\n"
             "    *reinterpret_cast<uint2*>(dst) = make_uint2(u.x, u.y);\n"
@@ -322,7 +387,7 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
             "  }\n",
         ),
     ],
-    "streaming stores": [(_PUT, "  __stcs(reinterpret_cast<V*>(dst), v);\n")],
+    "streaming stores": [_NO_SEAMS, (_PUT, "  if (ok) __stcs(reinterpret_cast<V*>(dst), v);\n")],
     "no ring copy": [
         (
             "      if (staged)\n        unstage_rows<T, kPasses>(",
@@ -417,6 +482,52 @@ def widths(algorithms: list[str], rounds: int) -> None:
             print(f"  ow {ow}: rows of {4 * ow} bytes  {min(t):7.1f} us  {per:.3f} ps/elem  {each}")
 
 
+# --seams: (name, x shape, weight shape, stride, padding); conv_bench's shapes
+# whose one-pass forward takes the seams, then the seed at other widths
+_SEAM_SHAPES = [
+    ("ref", (128, 8, 128, 128), (64, 8, 3, 3), 1, 0),
+    ("stem", (32, 3, 224, 224), (64, 3, 7, 7), 2, 3),
+    ("5x5", (64, 8, 128, 128), (64, 8, 5, 5), 1, 0),
+    *[(f"ow {w - 2}", (128 * 126 // (w - 2), 8, 128, w), (64, 8, 3, 3), 1, 0)
+      for w in (68, 82, 100, 108, 112, 114, 120, 126)],
+    ("ref cin 24", (128, 24, 128, 128), (64, 24, 3, 3), 1, 0),
+    ("5x5 cin 2", (64, 2, 128, 128), (64, 2, 5, 5), 1, 0),
+]  # fmt: skip
+
+
+def seams(rounds: int) -> None:
+    """``--seams``: the "fused_tf32" no-grad forward with the row seams on
+    and off (_conv.FORWARD_SEAMS True and False, whatever seams_pay says),
+    interleaved, at the shapes above."""
+    import torch
+
+    import cupy_act.torch as ct
+    from cupy_act import _conv, testing
+
+    print("forward, no grad, float32 fused_tf32, seams on / off (us; min of each, ratio, repeats)")
+    for name, xs, ws, stride, pad in _SEAM_SHAPES:
+        torch.manual_seed(0)
+        x = torch.randn(*xs, device="cuda")
+        w = torch.randn(*ws, device="cuda") * 0.1
+        b = torch.randn(ws[0], device="cuda")
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(rounds):
+            for on in (True, False):
+                _conv.FORWARD_SEAMS = on
+
+                def call():
+                    alg = "fused_tf32"
+                    ct.conv2d_div_leaky_relu(x, w, b, 2.0, 0.01, stride, pad, algorithm=alg)
+
+                with torch.no_grad():
+                    call()
+                    times[on].append(1000 * testing.median_ms(call, iters=20, queued_ms=4))
+        _conv.FORWARD_SEAMS = None
+        on, off = min(times[True]), min(times[False])
+        each = " ".join(f"{a:.1f}/{b:.1f}" for a, b in zip(times[True], times[False]))
+        print(f"  {name:8s} {on:7.1f} {off:7.1f}  {on / off:.3f}   {each}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--algorithms", nargs="+", default=["fused_tf32", "fused"],
@@ -424,9 +535,13 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--widths", action="store_true", help="this version at three output widths")
+    ap.add_argument("--seams", action="store_true", help="the row seams on and off, several shapes")
     args = ap.parse_args()
     if args.widths:
         widths(args.algorithms, args.repeats)
+        return
+    if args.seams:
+        seams(args.repeats)
         return
     with tempfile.TemporaryDirectory() as tmp:
         dirs = copies(args.variants, Path(tmp))

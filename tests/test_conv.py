@@ -601,6 +601,9 @@ def test_prepared_params_take_each_calls_addresses_and_scalars():
         assert f[31:] == (base + 5, base + 6, base + 7, 11, 13)
 
 
+H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"  # (device names)
+
+
 def _record_launches(monkeypatch, sm: int = 90) -> list:
     """Fake kernels and driver calls for the prepared launches (no GPU): each
     launch is recorded as (CUfunction, grid, smem, ConvParams as unpacked, the
@@ -622,6 +625,7 @@ def _record_launches(monkeypatch, sm: int = 90) -> list:
 
     monkeypatch.setattr(_conv._launch, "run", run)
     monkeypatch.setattr(_conv, "_sm", lambda device: sm)
+    monkeypatch.setattr(_conv, "_device_name", lambda device: H100)
     monkeypatch.setattr(_conv, "_blocks", lambda device, k, smem: 3 * 132)
     monkeypatch.setattr(_conv, "_allow_smem", lambda k, nbytes: None)
     monkeypatch.setattr(_conv._tensormap, "available", lambda: True)
@@ -747,18 +751,31 @@ SEAM_CASES = [
 
 
 def test_seam_bytes_where_the_kernel_takes_them(monkeypatch):
-    """The row seams' buffer goes to float32 one-pass NCHW forwards on sm_90
-    whose rows (one tile each) share lines: the seam cases and the seed
-    shape, keeping three blocks per SM; not to three passes, 16-bit types,
-    channels-last, other devices, rows of whole lines (128 columns), odd
-    widths or planes of odd pairs, nor with FORWARD_SEAMS off. The launch
-    asks for it after the tiling's shared memory."""
+    """With FORWARD_SEAMS on, the row seams' buffer goes to float32 one-pass
+    NCHW forwards on sm_90 whose rows (one tile each) share lines: the seam
+    cases and the seed shape, keeping three blocks per SM; not to three
+    passes, 16-bit types, channels-last, other devices, rows of whole lines
+    (128 columns), odd widths or planes of odd pairs. By default (None) only
+    where seams_pay: on an H100, widths of 102 to 126 that are 2 mod 4; off,
+    nowhere. The launch asks for it after the tiling's shared memory."""
     seed = ((128, 8, 128, 128), (64, 8, 3, 3), 1, 0, 1)
 
-    def seams(case, n_passes=1, dtype="float32", sm=90, cl=False):
+    def seams(case, n_passes=1, dtype="float32", sm=90, cl=False, name=H200):
         g = _conv.geometry("f", *case)
-        return _conv.seam_bytes(g, _conv.launch_tiling(g, n_passes, True), n_passes, dtype, sm, cl)
+        tl = _conv.launch_tiling(g, n_passes, True)
+        return _conv.seam_bytes(g, tl, n_passes, dtype, sm, cl, name)
 
+    assert _conv.FORWARD_SEAMS is None
+    # by default: the seed and 110 columns on an H100; not 66, 98, 112 or
+    # 124 columns (the seam cases' 66 and 98, the stem's 112, the 5x5
+    # shape's 124), nor on an H200
+    assert seams(seed, name=H100) == seams(SEAM_CASES[3], name=H100) == _conv.SEAM_BYTES
+    assert seams(((2, 8, 128, 112), (64, 8, 3, 3), 1, 0, 1), name=H100) == _conv.SEAM_BYTES
+    for w in (68, 114, 126):
+        assert seams(((2, 8, 128, w), (64, 8, 3, 3), 1, 0, 1), name=H100) == 0, w
+    assert seams(seed) == seams(SEAM_CASES[2], name=H100) == seams(SEAM_CASES[1], name=H100) == 0
+    assert [ow for ow in range(64, 129) if _conv.seams_pay(H100, ow)] == list(range(102, 127, 4))
+    monkeypatch.setattr(_conv, "FORWARD_SEAMS", True)
     for case in (*SEAM_CASES, seed):
         assert seams(case) == _conv.SEAM_BYTES
         g = _conv.geometry("f", *case)
@@ -768,8 +785,8 @@ def test_seam_bytes_where_the_kernel_takes_them(monkeypatch):
     for xs in ((2, 8, 128, 130), (2, 8, 128, 129), (2, 8, 127, 128), (2, 8, 20, 60)):
         assert seams((xs, (64, 8, 3, 3), 1, 0, 1)) == 0, xs  # 128, odd, 125 x 126, 58 columns
     monkeypatch.setattr(_conv, "FORWARD_SEAMS", False)
-    assert seams(seed) == 0
-    monkeypatch.setattr(_conv, "FORWARD_SEAMS", True)
+    assert seams(seed) == seams(seed, name=H100) == 0
+    monkeypatch.setattr(_conv, "FORWARD_SEAMS", None)
     launched = _record_launches(monkeypatch)
     kernels = _conv.ForwardKernels(_conv.ConvKernel(1, 7, None), _conv.ConvKernel(2, 7, None))
     monkeypatch.setattr(_conv, "kernel", lambda *args: kernels)
@@ -855,6 +872,7 @@ def test_fused_forward_row_seams_match_each_tile_storing_its_rows(case, monkeypa
     (seams still taken) and 4 bytes past one (not 16-byte aligned: none)."""
     from test_ops_gpu import poison  # (a NaN pattern no kernel here writes)
 
+    monkeypatch.setattr(_conv, "FORWARD_SEAMS", True)  # (on any sm_90 device, any width)
     _check_accuracy(SEAM_CASES[case], 300 + case, torch.float32, "fused_tf32", False)
     xs, ws, stride, padding, dilation = SEAM_CASES[case]
     x, w, b = _xwb(xs, ws, "cuda", torch.float32, seed=300 + case)

@@ -962,7 +962,9 @@ def test_forward_stores_copies_make_their_change(tmp_path, monkeypatch):
     same = [re.sub(r"stores_cu_\w+?_\d+", "", ptx[v]) for v in ("no seams", "kernel")]
     assert same[0] == same[1]  # (the host's switch; NVRTC names its internals per compile)
     launch = tmp_path / str(list(fs.VARIANTS).index("no seams")) / "cupy_act" / "_conv.py"
-    assert "FORWARD_SEAMS = False\n" in launch.read_text()
+    assert "FORWARD_SEAMS: bool | None = False\n" in launch.read_text()
+    launch = tmp_path / str(list(fs.VARIANTS).index("seams")) / "cupy_act" / "_conv.py"
+    assert "FORWARD_SEAMS: bool | None = True\n" in launch.read_text()
     steps = {v: ptx[v].count("bar.sync 1, 128;") for v in ptx}
     assert steps["not in step"] == 0 < steps["in step every 8"] < steps["in step every 4"]
     assert steps["in step every 4"] < steps["in step every 2"] < steps["kernel"]
