@@ -94,9 +94,10 @@ GPU kept busy while the host queues, ``testing.median_ms``) at input widths
 lines), per call and per output element, the widths interleaved.
 
 --seams instead times this version's "fused_tf32" forward with the row
-seams on and off (``_conv.FORWARD_SEAMS``, in this process as ``--widths``)
-at conv_bench's shapes that take them (ref, stem, 5x5) and at the seed's
-channels and kernel with other output widths, interleaved.
+seams forced on and off (``_conv.FORWARD_SEAMS`` True and False, in this
+process as ``--widths``) at conv_bench's shapes the kernel can take them at
+(ref, stem, 5x5) and at the seed's channels and kernel with other output
+widths, interleaved: the measurements behind ``_conv.seams_pay``.
 """
 
 from __future__ import annotations
