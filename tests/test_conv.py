@@ -793,6 +793,10 @@ def test_seam_bytes_where_the_kernel_takes_them(monkeypatch):
     g = _conv.geometry("f", *seed)
     _conv.launch(0, "float32", "tf32", False, g, 5, 256, 16, 32, 48, 64, 0.01, 2.0, "f")
     assert launched[0][2] == _conv.launch_tiling(g, 1, True).smem + _conv.SEAM_BYTES
+    monkeypatch.setattr(_conv, "_device_name", lambda device: H200)  # (another machine)
+    monkeypatch.setattr(_conv, "_forward_launches", {})
+    _conv.launch(0, "float32", "tf32", False, g, 5, 256, 16, 32, 48, 64, 0.01, 2.0, "f")
+    assert launched[1][2] == _conv.launch_tiling(g, 1, True).smem
 
 
 def _seam_model(ow: int, oh: int, chans: int, y: int) -> dict[int, int]:
