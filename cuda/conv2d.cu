@@ -663,15 +663,16 @@ __device__ __forceinline__ void epilogue_wgmma_nchw(const float (&acc)[2][32], c
       for (int h = 0; h < 2; ++h) {
         T* into = reinterpret_cast<T*>(line + (((a + 8u * h) & 127u) >> 2));
         unit[s][h] = r[h] ? into : ys + 2 * h;
-        unit_step[s][h] = r[h] ? 8 * kSeamStride : 8 * (int)out_plane;  // (seam_bytes: fits)
+        unit_step[s][h] = r[h] ? 8 * kSeamStride : 8 * (int)out_plane;  // (plane < 2^28)
       }
     }
   }
   u32 word[2] = {0u, 0u};
   auto channels = [&](auto vectors, auto seam) {
     constexpr bool kSeam = decltype(seam)::value;
-    // the seam loop's stores are generic (either space), so the compiler may
-    // not move a bias load ahead of one: the values are loaded first
+    // the seam loop's stores are generic (either space), and the compiler
+    // may not move a shared load above one: the bias values are loaded
+    // first (not timed apart from the pointers)
     T bias_r[kSeam ? 16 : 1];
     if constexpr (kSeam)
 #pragma unroll
