@@ -283,7 +283,7 @@ def seams_pay(device_name: str, ow: int) -> bool:
     """Where the row seams made the TF32 forward faster
     (``scripts/forward_stores.py --seams``): on an H100 (80GB HBM3), widths
     of 102 to 126 that are 2 mod 4 (every other row starts 8 bytes into a
-    16-byte unit): 9-10% at 118 and 126 columns, 5% at 110, 1% at 106; even
+    16-byte unit): 9-10% at 118 and 126 columns, 5% at 110, 1% at 106, none
     at 98. They cost 2-9% at the H100's other widths measured (66, 80, 112,
     124: the stem's and the 5x5 shape's among them) and 3-14% at every width
     measured on an H200, whose forward loses little to the lines two rows
