@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session: the conformance suite (every row in a fresh subprocess), the
-# rest of the test suite, a reduced suite under compute-sanitizer, the benchmark
+# rest of the GPU tests, a reduced suite under compute-sanitizer, the benchmark
 # suite (tables, JSON, CSV, plot under $OUT/bench) and the call-overhead table.
 # Logs go to $OUT; a summary is last.
 # Usage (GPU machine, repository root):
@@ -9,8 +9,8 @@
 #     [BASE=dir] [OVERHEAD_RUNS=2] [CPU_RUNS=1] \
 #     [TUNE=1] \
 #     bash scripts/device_run.sh
-# With 2 or more GPUs, the conformance rows run split over the first two GPUs,
-# with the rest of the test suite alongside, and the 2-GPU rows after them.
+# The conformance rows run in groups beside the tests, over two GPUs where
+# there are two (see below), and the 2-GPU rows after them.
 # BASE: a copy of another version's cupy_act/ and cuda/ (e.g. the last release),
 # whose overhead is measured in the same run, alternating with this one (and
 # its CPU path too, where the copy has its scripts/; and its weight-gradient
@@ -23,29 +23,43 @@ has() { [[ " $PARTS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt"
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)" >> "$OUT/gpu.txt"
 
-PYTEST="python3 -m pytest -q -p no:cacheprovider -rs"
+PYTEST="python3 -m pytest -q -p no:cacheprovider -rs --durations=25"
 CONF=tests/test_conformance.py
+CONV="tests/test_conv.py tests/test_conv_wgrad.py tests/test_conv_dgrad.py tests/test_compile_route.py"
 GPUS=$(nvidia-smi -L | wc -l)
-FIRST="first or new_thread or threads or second or cache or private or func_"
-if has conformance && [ "$GPUS" -ge 2 ]; then
-  CUDA_VISIBLE_DEVICES=0 timeout 420 $PYTEST $CONF -k "not cpu and ($FIRST)" > "$OUT/conf_a.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 timeout 420 $PYTEST $CONF -k "not cpu and not ($FIRST)" > "$OUT/conf_b.log" 2>&1 &
-  if has tests; then
-    CUDA_VISIBLE_DEVICES=1 timeout 420 $PYTEST tests --deselect $CONF > "$OUT/pytest.log" 2>&1
-    echo "pytest rc=$? (GPU 1 only: its 2-GPU tests are conformance rows below)" >> "$OUT/pytest.log"
-  fi
-  wait
-  timeout 240 $PYTEST $CONF -k "not cpu and (ddp or fsdp2 or second_device or first_backward)" \
-    > "$OUT/conf_2gpu.log" 2>&1
-else
-  if has conformance; then
-    timeout 420 $PYTEST $CONF -k "not cpu" > "$OUT/conformance.log" 2>&1
-    echo "conformance rc=$?" >> "$OUT/conformance.log"
-  fi
-  if has tests; then
-    timeout 360 $PYTEST tests --deselect $CONF > "$OUT/pytest.log" 2>&1
-    echo "pytest rc=$?" >> "$OUT/pytest.log"
-  fi
+# Conformance rows are fresh processes, the compile rows 20-30 s each: one
+# after another they ran past 400 s, so they run in groups side by side (the
+# first-use rows, then the compile modes; the rest; the 2-GPU rows last, with
+# every GPU visible), beside the tests (the convolution's files and the rest).
+# With 2 or more GPUs, the second takes the third group and its share of the
+# tests; the first group sees every GPU (its rows on cuda:1 need a second).
+G1="first_backward or new_thread or threads or cache_dir or private or func_ or forward_ad"
+G2="compile_default or compile_reduce_overhead or compile_max_autotune or compile_kernels_route"
+G3="compile_dynamic or compile_training_step or cuda_graph or checkpoint or autocast or export"
+G3="$G3 or no_grad or inference_mode or deterministic or grad_only_on_bias or side_stream"
+G4="ddp or fsdp2 or second_device"
+B=$([ "$GPUS" -ge 2 ] && echo 1 || echo 0)
+IGNORE=""; for f in $CONF $CONV; do IGNORE="$IGNORE --ignore=$f"; done
+if has conformance; then
+  ( timeout 300 $PYTEST $CONF -k "not cpu and ($G1)" > "$OUT/conf_g1.log" 2>&1
+    echo "rc=$?" >> "$OUT/conf_g1.log"
+    CUDA_VISIBLE_DEVICES=0 timeout 300 $PYTEST $CONF -k "not cpu and ($G2)" > "$OUT/conf_g2.log" 2>&1
+    echo "rc=$?" >> "$OUT/conf_g2.log" ) &
+  ( CUDA_VISIBLE_DEVICES=$B timeout 400 $PYTEST $CONF -k "not cpu and ($G3)" > "$OUT/conf_g3.log" 2>&1
+    echo "rc=$?" >> "$OUT/conf_g3.log" ) &
+fi
+if has tests; then
+  # (the GPU tests: CI runs the others)
+  ( CUDA_VISIBLE_DEVICES=0 timeout 400 $PYTEST -m gpu $CONV > "$OUT/pytest_conv.log" 2>&1
+    echo "rc=$?" >> "$OUT/pytest_conv.log" ) &
+  # (every GPU visible: its 2-GPU tests)
+  ( timeout 400 $PYTEST -m gpu tests $IGNORE > "$OUT/pytest.log" 2>&1
+    echo "rc=$?" >> "$OUT/pytest.log" ) &
+fi
+wait
+if has conformance; then
+  timeout 200 $PYTEST $CONF -k "not cpu and ($G4)" > "$OUT/conf_g4.log" 2>&1
+  echo "rc=$?" >> "$OUT/conf_g4.log"
 fi
 if has sanitizer; then
   timeout 150 compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
@@ -160,7 +174,7 @@ if [ "${TUNE:-0}" = 1 ]; then  # launch-shape sweep (development)
 fi
 
 echo "== summary"; cat "$OUT/gpu.txt"
-for f in conf_a conf_b conf_2gpu conformance pytest; do
+for f in conf_g1 conf_g2 conf_g3 conf_g4 pytest_conv pytest; do
   [ -f "$OUT/$f.log" ] && { echo "-- $f"; grep -E "passed|failed|rc=" "$OUT/$f.log" | tail -n 2;
     grep -E "^FAILED|^ERROR" "$OUT/$f.log" | head -20; }
 done

@@ -23,6 +23,10 @@ compute wrong outputs.
                      MMAs run (not after its first barrier), and a block
                      barrier before its epilogue (whose seam parts go to the
                      set being stored)
+  bulk flush         the seam lines after each tile's first barrier by the
+                     copy engine (one cp.async.bulk store per line, the
+                     issuing threads waiting for their reads before the
+                     tile's second barrier): tried, not kept
   seam checks only   the seam warps' stores checked as with the seams, none
                      routed, no seam line stored: the checks' cost
   seam buffer unused the seam buffer allotted (the block's shared memory as
@@ -169,6 +173,52 @@ _SHADOW = [
     (
         "        seam_flush = head != nullptr;\n",
         "        if (seam_flush) __syncthreads();\n        seam_flush = head != nullptr;\n",
+    ),
+]
+# The seam lines after each tile's first barrier by the copy engine: thread c
+# issues channel c's line as one bulk store (no shared load, no register
+# store), the seam parts' writers fence them for the copy engine, and the
+# issuing threads wait for their lines' reads before the tile's second
+# barrier (its epilogue writes the set again)
+_BULK_FLUSH = [
+    (
+        "// NHWC: a position's channels are consecutive",
+        r"""__device__ __forceinline__ void put_seams_bulk(const float* lines, float* y,
+                                               const ConvParams& p, TileAt at, int tile_n, int c) {
+  if (c >= min(kBN, p.cout - tile_n)) return;
+  const long long out_plane = (long long)p.oh * p.ow;
+  float* row = y + ((long long)at.n * p.cout + tile_n + c) * out_plane + (long long)at.oh0 * p.ow;
+  const int into = (int)((u64)row & 127) >> 2;
+  if (into != 0)
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], 128;\n"
+                 " cp.async.bulk.commit_group;"
+                 :: "l"(row - into), "r"((u32)__cvta_generic_to_shared(lines + c * kSeamStride))
+                 : "memory");
+}
+
+// NHWC: a position's channels are consecutive""",
+    ),
+    (
+        "        if (seam_flush)\n          put_seams(seam + ((at.oh0 - 1) & 1) * kBN * "
+        "kSeamStride, reinterpret_cast<float*>(y), p,\n                    at, tile_n, tid);\n",
+        "        if (seam_flush && tid < kBN)\n"
+        "          put_seams_bulk(seam + ((at.oh0 - 1) & 1) * kBN * kSeamStride,\n"
+        "                         reinterpret_cast<float*>(y), p, at, tile_n, tid);\n",
+    ),
+    (
+        "load_weights<T, kPasses>(bs, p, w, tile_n, c0, tid);\n      __syncthreads();\n",
+        "load_weights<T, kPasses>(bs, p, w, tile_n, c0, tid);\n"
+        "      if (seam_flush && c0 == 0 && tile > tile_first && tid < kBN)\n"
+        '        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");\n'
+        "      __syncthreads();\n",
+    ),
+    (
+        _DISPATCH,
+        _DISPATCH.replace(
+            "    channels(Flag<true>(), Flag<sizeof(T) == 4>());\n  else",
+            "  {\n    channels(Flag<true>(), Flag<sizeof(T) == 4>());\n"
+            '    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");\n  } else',
+        ),
     ),
 ]
 # Without the row seams (copies whose stores go elsewhere or not at all: the
@@ -335,6 +385,7 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
     "seams": [_SEAMS],
     "seams, no flush": [_SEAMS, _NO_FLUSH],
     "flush in MMA shadow": [_SEAMS, *_SHADOW],
+    "bulk flush": [_SEAMS, *_BULK_FLUSH],
     "seam buffer unused": [_SEAMS, _SEAMS_UNUSED],
     "region cut": [_SEAMS, *_CUT],
     "region cut, no seams": [*_CUT, _NO_SEAMS],
