@@ -31,8 +31,9 @@ GPUS=$(nvidia-smi -L | wc -l)
 # after another they ran past 400 s, so they run in groups side by side (the
 # first-use rows, then the compile modes; the rest; the 2-GPU rows last, with
 # every GPU visible), beside the tests (the convolution's files and the rest).
-# With 2 or more GPUs, the second takes the third group and its share of the
-# tests; the first group sees every GPU (its rows on cuda:1 need a second).
+# With 2 or more GPUs, the second takes the third group; the first group and
+# the tests outside the convolution's files see every GPU (rows on cuda:1,
+# 2-GPU tests).
 G1="first_backward or new_thread or threads or cache_dir or private or func_ or forward_ad"
 G2="compile_default or compile_reduce_overhead or compile_max_autotune or compile_kernels_route"
 G3="compile_dynamic or compile_training_step or cuda_graph or checkpoint or autocast or export"
