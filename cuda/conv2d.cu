@@ -331,31 +331,33 @@ struct Flag {
 // straddle two units, and as two half-vector stores each store instruction
 // spread its pieces over all of the run's sectors. Instead lane g (of the 8 with equal t,
 // holding positions 4 g .. 4 g + 3) stores the whole unit its last two
-// values open, completed by lane g + 1's first two (a shuffle), lane 0 also
-// its first two and lane 7 its last two: aligned vectors, the same two
-// store instructions. `valid`: the lane's valid elements (0, 2 or 4 here:
-// such rows are 2 mod 4 elements wide, so a lane with 4 is followed by one
-// with at least 2, and lane 0 never needs both of its half-vectors),
-// `next_valid` lane g + 1's; every lane must call it (the shuffles). Taken
+// values open, completed by lane g + 1's first two (a shuffle); lane 0 also
+// its first two, and a lane with 4 whose unit no next lane completes (lane
+// 7, or the last one of a row 0 mod 4 wide) its last two: aligned vectors.
+// `valid`: the lane's valid elements (0, 2 or 4 here: every store a
+// vector), `next_valid` lane g + 1's; every lane must call it (the
+// shuffles). Rows 0 mod 4 wide take it where y starts 8 bytes into a unit
+// (the first version, written for rows 2 mod 4 wide, left such a row's last
+// two elements out: tests/test_conv.py's alignment cases found it). Taken
 // for float32 only (epilogue_wgmma_nchw): 16-bit outputs were slower with it
 // in a first version.
 template <typename T>
 __device__ __forceinline__ void store_shifted(T* u0, T* u8, const T (&e)[4], int g, int valid,
                                               int next_valid, bool ok) {
   const Words4<T> out = words4(e);
-  const bool lead = g == 0 && valid >= 2, trail = g == 7 && valid == 4;
   const bool whole = ok && g < 7 && valid == 4 && next_valid >= 2;
+  const bool lead = ok && g == 0 && valid >= 2, trail = ok && valid == 4 && !whole;
   if (sizeof(T) == 4) {
     const u32 n0 = __shfl_down_sync(0xffffffffu, out.w[0], 4);
     const u32 n1 = __shfl_down_sync(0xffffffffu, out.w[1], 4);
     put_unit(u8, make_uint4(out.w[2], out.w[3], n0, n1), whole);
-    put_unit(lead ? u0 : u8, lead ? make_uint2(out.w[0], out.w[1]) : make_uint2(out.w[2], out.w[3]),
-             ok && (lead || trail));
+    put_unit(u0, make_uint2(out.w[0], out.w[1]), lead);
+    put_unit(u8, make_uint2(out.w[2], out.w[3]), trail);
   } else {
     const u32 n = __shfl_down_sync(0xffffffffu, out.w[0], 4);
     if (whole) *reinterpret_cast<uint2*>(u0 + 2) = make_uint2(out.w[1], n);
-    if (ok && (lead || trail))
-      *reinterpret_cast<u32*>(lead ? u0 : u0 + 2) = lead ? out.w[0] : out.w[1];
+    if (lead) *reinterpret_cast<u32*>(u0) = out.w[0];
+    if (trail) *reinterpret_cast<u32*>(u0 + 2) = out.w[1];
   }
 }
 
@@ -668,51 +670,64 @@ __device__ __forceinline__ void epilogue_wgmma_nchw(const float (&acc)[2][32], c
     }
   }
   u32 word[2] = {0u, 0u};
-  auto channels = [&](auto vectors, auto seam) {
-    constexpr bool kSeam = decltype(seam)::value;
-    // the seam loop's stores are generic (either space), and the compiler
-    // may not move a shared load above one: the bias values are loaded
-    // first (not timed apart from the pointers)
-    T bias_r[kSeam ? 16 : 1];
-    if constexpr (kSeam)
+  // Each store's 4 values are formed just before it; the mask bits only
+  // where the mask is written (kMask: the no-grad forward skips them, 2 of
+  // the 6 instructions per value). kFirst forms kFormed channel steps'
+  // values before their stores instead (the arithmetic's chains side by
+  // side): no faster for the seed's float32 forward on an H100 (272.6 us all
+  // first, 271-280 per store), and at 168 registers ptxas spilled with it
+  // (scripts/forward_stores.py, "formed first", "formed by halves").
+  constexpr bool kFirst = false;
+  constexpr int kFormed = 8;
+  auto channels = [&](auto vectors, auto seam, auto with_mask) {
+    constexpr bool kSeam = decltype(seam)::value, kMask = decltype(with_mask)::value;
+    T v[8][2][4];
+    auto form = [&](int j, int s) {
+      const T b = bias_s<T>(tw)[2 * t + 8 * j + s];
+      u32 bits = 0;
 #pragma unroll
-      for (int i = 0; i < 16; ++i) bias_r[i] = bias_s<T>(tw)[2 * t + 8 * (i >> 1) + (i & 1)];
+      for (int q = 0; q < 4; ++q) {
+        bool bit;
+        v[j][s][q] =
+            epilogue_value(acc[q >> 1][4 * j + 2 * (q & 1) + s], op, has_bias, b, alpha, bit);
+        if (kMask) bits |= (u32)bit << q;
+      }
+      if (kMask) word[j >> 2] |= bits << (4 * (2 * (j & 3) + s));
+    };
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
+      if (kFirst && j % kFormed == 0)  // (the first of its kFormed)
+#pragma unroll
+        for (int i = j - j % kFormed; i < j - j % kFormed + kFormed; ++i)
+#pragma unroll
+          for (int s = 0; s < 2; ++s) form(i, s);
 #pragma unroll
       for (int s = 0; s < 2; ++s) {
+        if constexpr (!kFirst) form(j, s);
         const bool c_ok = kAllChannels || 8 * j + s < c_left;
-        T b;
-        if constexpr (kSeam)
-          b = bias_r[2 * j + s];
-        else
-          b = bias_s<T>(tw)[2 * t + 8 * j + s];
-        T v[4];
-        u32 bits = 0;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          bool bit;
-          v[q] = epilogue_value(acc[q >> 1][4 * j + 2 * (q & 1) + s], op, has_bias, b, alpha, bit);
-          bits |= (u32)bit << q;
-        }
         T* u0 = kSeam ? unit[s][0] : yc;
         T* u8 = kSeam ? unit[s][1] : yc + 2;
         if (decltype(vectors)::value && shifted)
-          store_shifted(u0, u8, v, g, valid, next_valid, c_ok);
+          store_shifted(u0, u8, v[j][s], g, valid, next_valid, c_ok);
         else if (decltype(vectors)::value)
-          store_vectors(u0, u8, v, how, c_ok);
+          store_vectors(u0, u8, v[j][s], how, c_ok);
         else
-          store_n(yc, v, c_ok ? valid : 0);
+          store_n(yc, v[j][s], c_ok ? valid : 0);
         if constexpr (kSeam) {
           unit[s][0] += unit_step[s][0];
           unit[s][1] += unit_step[s][1];
         } else {
           yc += s == 0 ? out_plane : 7 * out_plane;
         }
-        word[j >> 2] |= bits << (4 * (2 * (j & 3) + s));
         if (in_step && (2 * j + s) % kStoreStep == kStoreStep - 1) warps_in_step();
       }
     }
+  };
+  auto stores = [&](auto vectors, auto seam) {
+    if (p.mask)
+      channels(vectors, seam, Flag<true>());
+    else
+      channels(vectors, seam, Flag<false>());
   };
   // Where every lane's runs go out as vectors (the seed shape: 16-byte ones,
   // or 8-byte ones on rows that start 8 bytes into a 16-byte unit, and at the
@@ -721,11 +736,11 @@ __device__ __forceinline__ void epilogue_wgmma_nchw(const float (&acc)[2][32], c
   // warps with seam units store through their units' pointers (seams are
   // only where no lane needs store_n).
   if (__any_sync(0xffffffffu, how.rest))
-    channels(Flag<false>(), Flag<false>());
+    stores(Flag<false>(), Flag<false>());
   else if (sizeof(T) == 4 && __any_sync(0xffffffffu, seam_on))
-    channels(Flag<true>(), Flag<sizeof(T) == 4>());
+    stores(Flag<true>(), Flag<sizeof(T) == 4>());
   else
-    channels(Flag<true>(), Flag<false>());
+    stores(Flag<true>(), Flag<false>());
   if (p.mask) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {

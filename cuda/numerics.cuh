@@ -157,6 +157,17 @@ __device__ __forceinline__ bool greater_than_zero(T x) {
   const typename Num<T>::sbits_t s = Num<T>::bits(x);
   return s > 0 && s <= Num<T>::kInf;
 }
+// float: the IEEE compare itself, without .ftz (which -ftz=true would give
+// `x > 0.f`, flushing positive subnormals to false): one instruction where
+// the bits take two.
+template <>
+__device__ __forceinline__ bool greater_than_zero(float x) {
+  u32 r;
+  asm("{\n .reg .pred p;\n setp.gt.f32 p, %1, 0f00000000;\n selp.u32 %0, 1, 0, p;\n}"
+      : "=r"(r)
+      : "f"(x));
+  return r != 0;
+}
 
 // !(x <= 0): true for x > 0 and for every NaN (either sign).
 template <typename T>

@@ -54,6 +54,11 @@ compute wrong outputs.
   odd warps reversed   the same, odd warps storing their channels in reverse
                      order: neighbouring warps, whose runs share lines, no
                      longer write the same channel at the same time
+  formed first      float32: the epilogue's 64 values all formed before its
+                     first store (the kernel forms each store's 4 just
+                     before it)
+  formed by halves   the same, 32 at a time (the first 4 channel steps'
+                     before their stores, then the rest's)
   not in step        without the epilogue's barrier of the block's 4 warps
                      after each store instruction (warps_in_step: the two
                      halves of a line shared by neighbouring warps leave
@@ -120,12 +125,13 @@ _C_OK = "const bool c_ok = kAllChannels || 8 * j + s < c_left;"
 _NEVER = " && p.n > (1 << 30)"  # false for every real launch, unknown to the compiler
 _PUT = "  if (ok) *reinterpret_cast<V*>(dst) = v;\n"  # put_unit: each float32 vector
 _DISPATCH = """  if (__any_sync(0xffffffffu, how.rest))
-    channels(Flag<false>(), Flag<false>());
+    stores(Flag<false>(), Flag<false>());
   else if (sizeof(T) == 4 && __any_sync(0xffffffffu, seam_on))
-    channels(Flag<true>(), Flag<sizeof(T) == 4>());
+    stores(Flag<true>(), Flag<sizeof(T) == 4>());
   else
-    channels(Flag<true>(), Flag<false>());
+    stores(Flag<true>(), Flag<false>());
 """
+_CHUNK = "        wgmma_chunk<kPasses>(wacc, a_wg, koff, b_desc, p.kc_pad, t);"
 # The seam lines never stored (put_seams), and the seam units never routed
 _NO_FLUSH = (
     "    if (into != 0 && c0 + kApart * i < chans)\n",
@@ -163,7 +169,7 @@ _SHADOW = [
         "  TileAt done{};\n  TileAt at = tile_at(p, tile_first);",
     ),
     (
-        "        wgmma_chunk<kPasses>(wacc, a_wg, koff, b_desc, p.kc_pad, t);",
+        _CHUNK,
         "        const bool flush = seam_flush && c0 == 0;\n"
         "        wgmma_chunk<kPasses>(wacc, a_wg, koff, b_desc, p.kc_pad, t, [&] {\n"
         "          if (flush)\n"
@@ -216,8 +222,8 @@ _BULK_FLUSH = [
     (
         _DISPATCH,
         _DISPATCH.replace(
-            "    channels(Flag<true>(), Flag<sizeof(T) == 4>());\n  else",
-            "  {\n    channels(Flag<true>(), Flag<sizeof(T) == 4>());\n"
+            "    stores(Flag<true>(), Flag<sizeof(T) == 4>());\n  else",
+            "  {\n    stores(Flag<true>(), Flag<sizeof(T) == 4>());\n"
             '    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");\n  } else',
         ),
     ),
@@ -235,7 +241,10 @@ _SEAM_SMEM = (
 _TILE_BARRIER = (
     "      __syncthreads();  // the previous MMAs and epilogue are done with shared memory"
 )
+_SHIFTED = "        if (decltype(vectors)::value && shifted)\n"
 _STEP = "constexpr int kStoreStep = 1;"  # the epilogue's warps meet after every store
+_FIRST = "  constexpr bool kFirst = false;"  # the epilogue's values formed per store
+_FORMED = "constexpr int kFormed = 8;"  # ... or (kFirst) this many channel steps' before
 _LAST_MASK = "  if ((nchw_mask || seam_flush) && tile_first < tile_end) {\n"
 _REGION = (
     "  const int region_alloc = ((region > kEpilogueFloats ? region : kEpilogueFloats) + 3) & ~3;"
@@ -243,7 +252,7 @@ _REGION = (
 # the buffer's share of the region's tail: the tensor copy's box, its barrier
 # and their alignment fit in 1200 words after the patch, mask words and bias
 _SPARE = 1200
-_BULK_EPILOGUE = r"""  if (false) channels(Flag<true>(), Flag<false>());
+_BULK_EPILOGUE = r"""  if (false) stores(Flag<true>(), Flag<false>());
   {
     extern __shared__ __align__(16) float smem_all[];
     u32 dyn;
@@ -299,20 +308,28 @@ _BULK_LAUNCH = f"""        smem = tl.smem
 _PER_STORE = [
     _NO_SEAMS,
     (
-        "auto channels = [&](auto vectors, auto seam) {",
-        "auto channels = [&](auto vectors, auto seam, auto rev) {",
+        "auto channels = [&](auto vectors, auto seam, auto with_mask) {",
+        "auto channels = [&](auto vectors, auto seam, auto with_mask, auto rev) {",
     ),
     (
-        "    for (int j = 0; j < 8; ++j) {\n#pragma unroll\n      for (int s = 0; s < 2; ++s) {\n"
-        "        const bool c_ok",
+        "auto stores = [&](auto vectors, auto seam) {",
+        "auto stores = [&](auto vectors, auto seam, auto rev) {",
+    ),
+    ("channels(vectors, seam, Flag<true>());", "channels(vectors, seam, Flag<true>(), rev);"),
+    ("channels(vectors, seam, Flag<false>());", "channels(vectors, seam, Flag<false>(), rev);"),
+    (
+        "    for (int j = 0; j < 8; ++j) {\n      if (kFirst && j % kFormed == 0)",
         "    for (int jj = 0; jj < 8; ++jj) {\n"
         "      const int j = decltype(rev)::value ? 7 - jj : jj;\n"
-        "#pragma unroll\n      for (int s = 0; s < 2; ++s) {\n"
+        "      if (kFirst && jj % kFormed == 0)",
+    ),
+    (
+        "        const bool c_ok",
         "        T* ycj = yc + (long long)(8 * j + s) * out_plane;\n        const bool c_ok",
     ),
     ("T* u0 = kSeam ? unit[s][0] : yc;", "T* u0 = kSeam ? unit[s][0] : ycj;"),
     ("T* u8 = kSeam ? unit[s][1] : yc + 2;", "T* u8 = kSeam ? unit[s][1] : ycj + 2;"),
-    ("store_n(yc, v,", "store_n(ycj, v,"),
+    ("store_n(yc, v[j][s],", "store_n(ycj, v[j][s],"),
     ("          yc += s == 0 ? out_plane : 7 * out_plane;\n", ""),
 ]
 
@@ -325,9 +342,9 @@ def _order(odd_reversed: bool) -> list[tuple[str, str]]:
         (
             _DISPATCH,
             "  if (__any_sync(0xffffffffu, how.rest))\n"
-            "    channels(Flag<false>(), Flag<false>(), Flag<false>());\n"
-            f"  else if (warp & 1)\n    channels(Flag<true>(), Flag<false>(), {rev});\n"
-            "  else\n    channels(Flag<true>(), Flag<false>(), Flag<false>());\n",
+            "    stores(Flag<false>(), Flag<false>(), Flag<false>());\n"
+            f"  else if (warp & 1)\n    stores(Flag<true>(), Flag<false>(), {rev});\n"
+            "  else\n    stores(Flag<true>(), Flag<false>(), Flag<false>());\n",
         ),
     ]
 
@@ -396,9 +413,8 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
         (_C_OK, "const bool c_ok = (kAllChannels || 8 * j + s < c_left)" + _NEVER + ";"),
         ("  u32 word[2] = {0u, 0u};\n", "  u32 word[2] = {0u, 0u};\n  u32 sink = 0;\n"),
         (
-            "        if (decltype(vectors)::value && shifted)\n",
-            "        sink ^= words4(v).w[0] ^ words4(v).w[sizeof(T) - 1];\n"
-            "        if (decltype(vectors)::value && shifted)\n",
+            _SHIFTED,
+            "        sink ^= words4(v[j][s]).w[0] ^ words4(v[j][s]).w[sizeof(T) - 1];\n" + _SHIFTED,
         ),
         (_DISPATCH, _DISPATCH + "  if (p.n > (1 << 30)) tw[0] = sink;\n"),
     ],
@@ -451,15 +467,14 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
             "      else if (!staged)\n        load_patch<T, kPasses, kChannelsLast>(patch, p, xn,",
         ),
     ],
-    "no MMA": [
-        (
-            "        wgmma_chunk<kPasses>(wacc, a_wg, koff, b_desc, p.kc_pad, t);",
-            "        if (p.n > (1 << 30))\n"
-            "          wgmma_chunk<kPasses>(wacc, a_wg, koff, b_desc, p.kc_pad, t);",
-        )
-    ],
+    "no MMA": [(_CHUNK, "        if (p.n > (1 << 30))\n  " + _CHUNK)],
     "addresses per store": _order(False),
     "odd warps reversed": _order(True),
+    "formed first": [(_FIRST, "  constexpr bool kFirst = sizeof(T) == 4;")],
+    "formed by halves": [
+        (_FIRST, "  constexpr bool kFirst = sizeof(T) == 4;"),
+        (_FORMED, "constexpr int kFormed = 4;"),
+    ],
     "not in step": [(_STEP, "constexpr int kStoreStep = 32;")],
     "in step every 2": [(_STEP, "constexpr int kStoreStep = 2;")],
     "in step every 4": [(_STEP, "constexpr int kStoreStep = 4;")],

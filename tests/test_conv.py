@@ -828,7 +828,7 @@ def _seam_model(ow: int, oh: int, chans: int, y: int) -> dict[int, int]:
                 if rs % 16 == 8:  # store_shifted's units
                     units = [(a + 8, 16)] if g < 7 and valid == 4 and nxt >= 2 else []
                     units += [(a, 8)] if g == 0 and valid >= 2 else []
-                    units += [(a + 8, 8)] if g == 7 and valid == 4 else []
+                    units += [(a + 8, 8)] if valid == 4 and (g == 7 or nxt < 2) else []
                 else:
                     units = [(a, 4 * valid)] if valid else []
                 on = r > 0 if w == 0 else r + 1 < oh and col + 4 > ow - 32
@@ -866,6 +866,32 @@ def test_seam_routes_send_every_element_out_once():
     assert checked > 40
 
 
+def _forward_at(shape, seed: int, precision: str):
+    """(forward, geometry, (x, w, b)) for a float32 NCHW case ``shape`` (x,
+    weight shapes, stride, padding, dilation): forward(offset) launches the
+    fused forward with y ``offset`` elements into a poisoned, 256-byte aligned
+    buffer, asserts that every element was written and returns (y's bits as
+    int32, mask)."""
+    from test_ops_gpu import poison  # (a NaN pattern no kernel here writes)
+
+    xs, ws, stride, padding, dilation = shape
+    x, w, b = _xwb(xs, ws, "cuda", torch.float32, seed=seed)
+    g = _conv.geometry("f", xs, ws, stride, padding, dilation)
+    stream = torch.cuda.current_stream().cuda_stream
+    n = math.prod(g.out_shape)
+    mark = poison((1,), torch.float32).view(torch.int32)
+
+    def forward(offset: int):
+        y = poison((n + 64,), torch.float32)[offset : offset + n].view(g.out_shape)
+        mask = torch.zeros(mask_nbytes(n), dtype=torch.uint8, device="cuda")
+        ptrs = (x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), mask.data_ptr())
+        _conv.launch(0, "float32", precision, False, g, stream, *ptrs, SLOPE, DIVISOR, "f")
+        assert not (y.view(torch.int32) == mark).any(), offset
+        return y.view(torch.int32).clone(), mask
+
+    return forward, g, (x, w, b)
+
+
 @gpu
 @pytest.mark.parametrize("case", range(len(SEAM_CASES)), ids=[f"seam{i}" for i in range(4)])
 def test_fused_forward_row_seams_match_each_tile_storing_its_rows(case, monkeypatch):
@@ -874,26 +900,9 @@ def test_fused_forward_row_seams_match_each_tile_storing_its_rows(case, monkeypa
     bit the output and mask of the same forward without the seams
     (FORWARD_SEAMS off); with y on a 128-byte boundary, 16 bytes past one
     (seams still taken) and 4 bytes past one (not 16-byte aligned: none)."""
-    from test_ops_gpu import poison  # (a NaN pattern no kernel here writes)
-
     monkeypatch.setattr(_conv, "FORWARD_SEAMS", True)  # (on any sm_90 device, any width)
     _check_accuracy(SEAM_CASES[case], 300 + case, torch.float32, "fused_tf32", False)
-    xs, ws, stride, padding, dilation = SEAM_CASES[case]
-    x, w, b = _xwb(xs, ws, "cuda", torch.float32, seed=300 + case)
-    g = _conv.geometry("f", xs, ws, stride, padding, dilation)
-    stream = torch.cuda.current_stream().cuda_stream
-
-    n = math.prod(g.out_shape)
-    mark = poison((1,), torch.float32).view(torch.int32)
-
-    def forward(offset):  # y `offset` elements into a poisoned, 256-byte aligned buffer
-        y = poison((n + 64,), torch.float32)[offset : offset + n].view(g.out_shape)
-        mask = torch.zeros(mask_nbytes(n), dtype=torch.uint8, device="cuda")
-        ptrs = (x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), mask.data_ptr())
-        _conv.launch(0, "float32", "tf32", False, g, stream, *ptrs, SLOPE, DIVISOR, "f")
-        assert not (y.view(torch.int32) == mark).any()
-        return y.view(torch.int32), mask
-
+    forward, g, _ = _forward_at(SEAM_CASES[case], 300 + case, "tf32")
     runs = [forward(offset) for offset in (0, 4, 1)]
     monkeypatch.setattr(_conv, "FORWARD_SEAMS", False)
     plain, plain_mask = forward(0)
@@ -901,6 +910,38 @@ def test_fused_forward_row_seams_match_each_tile_storing_its_rows(case, monkeypa
         assert torch.equal(y, plain) and torch.equal(mask, plain_mask)
     bits = _impl.mask_to_bits(plain_mask.cpu(), tuple(g.out_shape), False)
     assert torch.equal(bits, (plain.view(torch.float32) > 0).cpu())
+
+
+# One-row tiles over the whole row at widths whose rows start at different
+# places in a 16-byte unit: 126 columns (every other row 8 bytes in), 124
+# (none, or every row with y 8 bytes off), 66 under two channel tiles,
+# stride 2 with padding and 45 channels.
+ALIGN_CASES = [
+    ((3, 8, 20, 128), (64, 8, 3, 3), 1, 0, 1),
+    ((2, 5, 9, 126), (64, 5, 3, 3), 1, 0, 1),
+    ((2, 3, 7, 68), (70, 3, 3, 3), 1, 0, 1),
+    ((2, 4, 15, 251), (45, 4, 3, 3), 2, 1, 1),
+]
+
+
+@gpu
+@pytest.mark.parametrize("precision", ["tf32", "fp32"])
+@pytest.mark.parametrize("case", range(len(ALIGN_CASES)), ids=[f"align{i}" for i in range(4)])
+def test_fused_forward_bits_do_not_depend_on_where_y_starts(case, precision):
+    """y 0, 1, 2 and 3 elements into a poisoned buffer (each row's store
+    path follows its alignment: 16-byte vectors, the shifted units, 8-byte
+    or single stores; with the default seams rule): every element written,
+    the output bit for bit and the mask equal across the four, the mask
+    agreeing with y > 0, within the float64 bound; one and three passes."""
+    forward, g, (x, w, b) = _forward_at(ALIGN_CASES[case], 400 + case, precision)
+    (y0, m0), *rest = [forward(offset) for offset in (0, 1, 2, 3)]
+    for y, mask in rest:
+        assert torch.equal(y, y0) and torch.equal(mask, m0)
+    bits = _impl.mask_to_bits(m0.cpu(), tuple(g.out_shape), False)
+    assert torch.equal(bits, (y0.view(torch.float32) > 0).cpu())
+    ref = block(x.double(), w.double(), b.double(), *ALIGN_CASES[case][2:4])
+    err = (y0.view(torch.float32).double() - ref).abs().max().item()
+    assert err <= (1e-2 if precision == "tf32" else 1e-5) * max(1.0, ref.abs().max().item())
 
 
 @gpu
