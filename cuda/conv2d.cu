@@ -674,9 +674,10 @@ __device__ __forceinline__ void epilogue_wgmma_nchw(const float (&acc)[2][32], c
   // where the mask is written (kMask: the no-grad forward skips them, 2 of
   // the 6 instructions per value). kFirst forms kFormed channel steps'
   // values before their stores instead (the arithmetic's chains side by
-  // side): no faster for the seed's float32 forward on an H100 (272.6 us all
-  // first, 271-280 per store), and at 168 registers ptxas spilled with it
-  // (scripts/forward_stores.py, "formed first", "formed by halves").
+  // side): no faster for the seed's no-grad float32 forward on an H100
+  // (all first 272.6-280.5 us, per store 271.4-272.2: wgrad_probe.py and
+  // forward_stores.py's "formed first", "formed by halves"), and at 168
+  // registers ptxas spilled with it in the three-pass kernels.
   constexpr bool kFirst = false;
   constexpr int kFormed = 8;
   auto channels = [&](auto vectors, auto seam, auto with_mask) {
