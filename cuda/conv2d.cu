@@ -672,14 +672,12 @@ __device__ __forceinline__ void epilogue_wgmma_nchw(const float (&acc)[2][32], c
   u32 word[2] = {0u, 0u};
   // Each store's 4 values are formed just before it; the mask bits only
   // where the mask is written (kMask: the no-grad forward skips them, 2 of
-  // the 6 instructions per value). kFirst forms kFormed channel steps'
-  // values before their stores instead (the arithmetic's chains side by
-  // side): no faster for the seed's no-grad float32 forward on an H100
-  // (all first 272.6-280.5 us, per store 271.4-272.2: wgrad_probe.py and
-  // forward_stores.py's "formed first", "formed by halves"), and at 168
-  // registers ptxas spilled with it in the three-pass kernels.
-  constexpr bool kFirst = false;
-  constexpr int kFormed = 8;
+  // the 6 instructions per value). Forming a tile's values before its first
+  // store (the arithmetic's chains side by side) was no faster for the
+  // seed's no-grad float32 forward on an H100 (all first 272.6-280.5 us, per
+  // store 271.4-272.2: wgrad_probe.py and forward_stores.py's "formed
+  // first", "formed by halves"), and at 168 registers ptxas spilled with it
+  // in the three-pass kernels.
   auto channels = [&](auto vectors, auto seam, auto with_mask) {
     constexpr bool kSeam = decltype(seam)::value, kMask = decltype(with_mask)::value;
     T v[8][2][4];
@@ -697,14 +695,9 @@ __device__ __forceinline__ void epilogue_wgmma_nchw(const float (&acc)[2][32], c
     };
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      if (kFirst && j % kFormed == 0)  // (the first of its kFormed)
-#pragma unroll
-        for (int i = j - j % kFormed; i < j - j % kFormed + kFormed; ++i)
-#pragma unroll
-          for (int s = 0; s < 2; ++s) form(i, s);
 #pragma unroll
       for (int s = 0; s < 2; ++s) {
-        if constexpr (!kFirst) form(j, s);
+        form(j, s);
         const bool c_ok = kAllChannels || 8 * j + s < c_left;
         T* u0 = kSeam ? unit[s][0] : yc;
         T* u8 = kSeam ? unit[s][1] : yc + 2;

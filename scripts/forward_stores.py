@@ -243,8 +243,29 @@ _TILE_BARRIER = (
 )
 _SHIFTED = "        if (decltype(vectors)::value && shifted)\n"
 _STEP = "constexpr int kStoreStep = 1;"  # the epilogue's warps meet after every store
-_FIRST = "  constexpr bool kFirst = false;"  # the epilogue's values formed per store
-_FORMED = "constexpr int kFormed = 8;"  # ... or (kFirst) this many channel steps' before
+# The epilogue's store loop, each store's values formed just before it
+_LOOP = (
+    "    for (int j = 0; j < 8; ++j) {\n#pragma unroll\n      for (int s = 0; s < 2; ++s) {\n"
+    "        form(j, s);\n"
+)
+
+
+def _formed_first(steps: int) -> list[tuple[str, str]]:
+    """float32: the values of ``steps`` channel steps formed before the
+    first of their stores (8: the whole tile's)."""
+    return [
+        (
+            _LOOP,
+            "    for (int j = 0; j < 8; ++j) {\n"
+            f"      if (sizeof(T) == 4 && j % {steps} == 0)\n"
+            f"#pragma unroll\n        for (int i = j; i < j + {steps}; ++i)\n"
+            "#pragma unroll\n          for (int s = 0; s < 2; ++s) form(i, s);\n"
+            "#pragma unroll\n      for (int s = 0; s < 2; ++s) {\n"
+            "        if (sizeof(T) != 4) form(j, s);\n",
+        )
+    ]
+
+
 _LAST_MASK = "  if ((nchw_mask || seam_flush) && tile_first < tile_end) {\n"
 _REGION = (
     "  const int region_alloc = ((region > kEpilogueFloats ? region : kEpilogueFloats) + 3) & ~3;"
@@ -318,10 +339,12 @@ _PER_STORE = [
     ("channels(vectors, seam, Flag<true>());", "channels(vectors, seam, Flag<true>(), rev);"),
     ("channels(vectors, seam, Flag<false>());", "channels(vectors, seam, Flag<false>(), rev);"),
     (
-        "    for (int j = 0; j < 8; ++j) {\n      if (kFirst && j % kFormed == 0)",
-        "    for (int jj = 0; jj < 8; ++jj) {\n"
-        "      const int j = decltype(rev)::value ? 7 - jj : jj;\n"
-        "      if (kFirst && jj % kFormed == 0)",
+        _LOOP,
+        _LOOP.replace(
+            "    for (int j = 0; j < 8; ++j) {\n",
+            "    for (int jj = 0; jj < 8; ++jj) {\n"
+            "      const int j = decltype(rev)::value ? 7 - jj : jj;\n",
+        ),
     ),
     (
         "        const bool c_ok",
@@ -470,11 +493,8 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
     "no MMA": [(_CHUNK, "        if (p.n > (1 << 30))\n  " + _CHUNK)],
     "addresses per store": _order(False),
     "odd warps reversed": _order(True),
-    "formed first": [(_FIRST, "  constexpr bool kFirst = sizeof(T) == 4;")],
-    "formed by halves": [
-        (_FIRST, "  constexpr bool kFirst = sizeof(T) == 4;"),
-        (_FORMED, "constexpr int kFormed = 4;"),
-    ],
+    "formed first": _formed_first(8),
+    "formed by halves": _formed_first(4),
     "not in step": [(_STEP, "constexpr int kStoreStep = 32;")],
     "in step every 2": [(_STEP, "constexpr int kStoreStep = 2;")],
     "in step every 4": [(_STEP, "constexpr int kStoreStep = 4;")],
