@@ -15,7 +15,6 @@ check their arrays, allocate, and call ``launch`` / ``launch_wgrad`` /
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
 import struct
@@ -736,8 +735,8 @@ def _prepared(k: ConvKernel, grid, smem: int, params: bytes, threads: int = THRE
 def _fire_with_map(k: Prepared, s: _launch._Scratch, stream: int, desc: tuple) -> None:
     """Launch ``k`` with a tensor map (``desc``: its buffer, held till here by
     the caller, and address) as the kernel's second parameter."""
-    both = (ctypes.c_void_p * 2)(ctypes.addressof(s.buf), desc[1])
-    k.fire(stream, ctypes.addressof(both))
+    s.argv2[1] = desc[1]
+    k.fire(stream, s.argv2_ptr)
 
 
 class ForwardLaunch(NamedTuple):
@@ -794,12 +793,13 @@ def forward_launch(
     block walks a run of consecutive tiles (down the rows first), keeping its
     weights in shared memory when one chunk holds every channel, and on
     sm_90a one-row tiles' patch as a ring of rows."""
-    n_passes = passes(dtype, precision)
-    tmap_ok = FORWARD_TMAP and _tensormap.available()
-    key = (device, dtype, n_passes, channels_last, g, tmap_ok, FORWARD_SEAMS)
+    # (the key holds what the call gave, not what follows from it: each call
+    # a lookup and nothing more)
+    key = (device, dtype, precision, channels_last, g, FORWARD_TMAP, FORWARD_SEAMS)
     run = _forward_launches.get(key)
     if run is not None:
         return run
+    n_passes = passes(dtype, precision)
     sm, itemsize = _sm(device), ITEMSIZE[dtype]
     tl = launch_tiling(g, n_passes, sm == 90)
     ks = kernel(device, dtype, n_passes, channels_last)

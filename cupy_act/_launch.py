@@ -41,6 +41,10 @@ class _Scratch(threading.local):
         self.buf = ctypes.create_string_buffer(size)
         self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.buf))
         self.argv_ptr = ctypes.addressof(self.argv)
+        # the buffer and a second argument (a kernel's tensor map: its host
+        # address set per launch), so that no launch builds a pointer array
+        self.argv2 = (ctypes.c_void_p * 2)(ctypes.addressof(self.buf), 0)
+        self.argv2_ptr = ctypes.addressof(self.argv2)
 
 
 _scratch = _Scratch()

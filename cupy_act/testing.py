@@ -216,7 +216,14 @@ def _queue_gpu(ms: float) -> None:
     torch.cuda._sleep(int(ms * _cycles_per_ms[0]))
 
 
-def median_ms(fn, iters: int = 20, warmup: int = 3, reps: int = 1, queued_ms: float = 0.0) -> float:
+def median_ms(
+    fn,
+    iters: int = 20,
+    warmup: int = 3,
+    reps: int = 1,
+    queued_ms: float = 0.0,
+    settle_ms: float = 0.0,
+) -> float:
     """Median CUDA-event time of ``fn()`` in ms, after ``warmup`` untimed calls.
 
     The time runs from the host's call to the GPU's end of the work, so a
@@ -225,13 +232,20 @@ def median_ms(fn, iters: int = 20, warmup: int = 3, reps: int = 1, queued_ms: fl
     the time per call of a launch-bound (small) op, host cost included,
     rather than the kernel alone. With ``queued_ms`` the GPU is kept busy
     that long before each timing starts, so the host's work is done while it
-    waits (``queued_ms`` must exceed it): the GPU's time alone.
+    waits (``queued_ms`` must exceed it): the GPU's time alone. With
+    ``settle_ms`` the GPU works that long before each timing and the host
+    waits for it, untimed: the state a single shot of a kernel that long
+    leaves the host in (the host runs slower after a longer wait), for the
+    floor of such a call.
     """
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if settle_ms:
+            _queue_gpu(settle_ms)
+            torch.cuda.current_stream().synchronize()
         if queued_ms:
             _queue_gpu(queued_ms)
         start.record()

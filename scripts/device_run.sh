@@ -67,9 +67,13 @@ if has sanitizer; then
     tests/test_ops_gpu.py -k "contiguous-33- or misaligned-129- or step2-31- or transposed-4097- or (test_bias_bit_exact and not large)" \
     > "$OUT/sanitizer.log" 2>&1
   echo "sanitizer rc=$?" >> "$OUT/sanitizer.log"
-  # the fused convolution: masks over broken and whole words, both layouts, odd shapes
-  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_conv.py -k "mask_decodes or empty_batch or odd_patch or (accuracy and (case3- or case17-)) or (wide_outputs and (wide0 or wide3 or wide4) and dtype0-fused-) or (staged and (dtype0 or dtype2))" \
+  # the fused convolution: masks over broken and whole words, both layouts, odd shapes,
+  # the row seams, y at every offset in a 16-byte unit, strided inputs
+  CV="mask_decodes or empty_batch or odd_patch or (accuracy and (case3- or case17-))"
+  CV="$CV or (wide_outputs and (wide0 or wide3 or wide4) and dtype0-fused-) or (staged and (dtype0 or dtype2))"
+  CV="$CV or row_seams or where_y_starts or strided_views"
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_conv.py -k "$CV" \
     > "$OUT/sanitizer_conv.log" 2>&1
   echo "sanitizer rc=$?" >> "$OUT/sanitizer_conv.log"
   # the forward's tile in shared memory read back by other warps: the epilogue

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import statistics
 import time
 
 import numpy
@@ -43,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 import cupy_act.torch as ct
+from cupy_act import testing
 
 
 def per_call_us(fns, calls: int, repeats: int) -> list[float]:
@@ -72,7 +74,14 @@ def main() -> None:
     ap.add_argument("--bn", action="store_true", help="the BatchNorm + LeakyReLU rows only")
     ap.add_argument("--shape", nargs=4, type=int, default=[8, 64, 16, 16], help="for --bn")
     ap.add_argument("--conv", action="store_true", help="the fused convolution block's rows only")
+    ap.add_argument(
+        "--conv-nograd", action="store_true", help="the no-grad fused forward's host path, by part"
+    )
     args = ap.parse_args()
+    if args.conv_nograd:
+        conv_nograd_rows(args.calls, args.repeats)
+        conv_nograd_steps()
+        return
     if args.bn:
         bn_rows(args.shape, args.calls, args.repeats)
         return
@@ -470,6 +479,165 @@ def conv_rows(calls: int, repeats: int) -> None:
         us = per_call_us([make(k) for k in impls], calls, repeats)
         cells = "".join(f"{t:12.2f} us {t / us[0]:4.2f}x" for t in us)
         print(f"{what:22s}{cells}", flush=True)
+
+
+def after_sync_us(fns, calls: int) -> list[float]:
+    """Median host time of one call of each function made right after a
+    synchronize (the host's state in a single-shot timing), interleaved."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(calls):
+        for i, fn in enumerate(fns):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            times[i].append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return [statistics.median(t) for t in times]
+
+
+def conv_nograd_rows(calls: int, repeats: int) -> None:
+    """The no-grad "fused_tf32" forward's host path at the seed's geometry
+    for one image (the GPU's work a few us), by part, against ``torch.neg``:
+    per call back to back, and one call right after a synchronize."""
+    import cupy
+
+    from cupy_act import _conv, _launch
+    from cupy_act.torch import _impl, conv
+
+    x = torch.randn(1, 8, 128, 128, device="cuda")
+    w = torch.randn(64, 8, 3, 3, device="cuda") * 0.1
+    b = torch.randn(64, device="cuda")
+    t = torch.randn(64, device="cuda")
+    g = _conv.geometry("overhead", x.shape, w.shape, 1, 0, 1)
+    y = torch.empty(g.out_shape, device="cuda")
+    dev = x.get_device()
+    stream = _impl._raw_stream(dev)
+    ptrs = (x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), 0)
+    run = _conv.forward_launch(dev, "float32", "tf32", False, g)
+    c1 = conv._checked(x, w, b, 2.0, 0.01, 1, 0, 1, "fused_tf32")
+    slope, scale = _conv._scalars(0.01, 2.0, "overhead")
+    empty = cupy.RawKernel('extern "C" __global__ void f(float* p) {}', "f").kernel
+    ctx = run.main.ctx
+    arg = ctypes.c_void_p(y.data_ptr())
+    args = (ctypes.c_void_p * 1)(ctypes.addressof(arg))  # (kept alive while timed)
+    argv = ctypes.addressof(args)
+    parts = {
+        "torch.neg (launch floor)": lambda: torch.neg(t),
+        "ours, no grad": lambda: ct.conv2d_div_leaky_relu(
+            x, w, b, 2.0, 0.01, algorithm="fused_tf32"
+        ),
+        "_checked": lambda: conv._checked(x, w, b, 2.0, 0.01, 1, 0, 1, "fused_tf32"),
+        "_no_grad_forward": lambda: conv._no_grad_forward(x, w, b, c1, 2.0, 0.01, True),
+        "torch.empty (y)": lambda: torch.empty(g.out_shape, dtype=x.dtype, device=x.device),
+        "_conv.launch": lambda: _conv.launch(
+            dev, "float32", "tf32", False, g, stream, *ptrs, 0.01, 2.0, "overhead"
+        ),
+        "forward_launch (lookup)": lambda: _conv.forward_launch(dev, "float32", "tf32", False, g),
+        "prepared launch": lambda: run(stream, *ptrs, slope, scale),
+        "  its fill": lambda: run.tmap.fill(*ptrs, slope, scale),
+        "  its x map": lambda: run.x_map.at(ptrs[0]),
+        "  the kernel without map": lambda: run.main.fire(
+            stream, run.main.fill(*ptrs, slope, scale).argv_ptr
+        ),
+        "  an empty kernel": lambda: _launch.run(empty.ptr, ctx, (1, 1), 32, stream, argv),
+    }
+    with torch.no_grad():
+        loop = per_call_us(list(parts.values()), calls, repeats)
+        cold = after_sync_us(list(parts.values()), 300)
+    print(
+        f"\nno-grad fused_tf32 forward, host time per call (us), x {tuple(x.shape)}, "
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    )
+    print(f"{'':28s}{'back to back':>14s}{'after a sync':>14s}")
+    for name, a, c in zip(parts, loop, cold):
+        print(f"{name:28s}{a:14.2f}{c:14.2f}", flush=True)
+    # The seed's forward as conv_bench times it: from the host's call to the
+    # GPU's end, and with the GPU kept busy meanwhile (its time alone); and
+    # the same launch with less of the host's path before it. Round after
+    # round, each call once per round, so that the host's drift hits all.
+    xs = torch.randn(128, 8, 128, 128, device="cuda")
+    gs = _conv.geometry("overhead", xs.shape, w.shape, 1, 0, 1)
+    ys = torch.empty(gs.out_shape, device="cuda")
+    seed_run = _conv.forward_launch(dev, "float32", "tf32", False, gs)
+    cs = conv._checked(xs, w, b, 2.0, 0.01, 1, 0, 1, "fused_tf32")
+    seed_ptrs = (xs.data_ptr(), ptrs[1], ptrs[2], ys.data_ptr(), 0)
+    shots = {
+        "torch.neg": lambda: torch.neg(t),
+        "seed forward": lambda: ct.conv2d_div_leaky_relu(
+            xs, w, b, 2.0, 0.01, algorithm="fused_tf32"
+        ),
+        "  its _no_grad_forward": lambda: conv._no_grad_forward(xs, w, b, cs, 2.0, 0.01, True),
+        "  its prepared launch": lambda: seed_run(stream, *seed_ptrs, slope, scale),
+    }
+    # torch.neg also after the GPU worked as long as the seed's kernel, the
+    # host waiting (settle_ms): each single shot of the forward starts so.
+    settled = {"torch.neg after 0.27 ms": 0.27, "torch.neg after 1 ms": 1.0}
+    print("single shot, us (median of 41): host to GPU end, GPU alone, the host's share")
+    with torch.no_grad():
+        for _ in range(2):
+            for name, fn in shots.items():
+                a = testing.median_ms(fn, iters=41) * 1e3
+                g = testing.median_ms(fn, iters=41, queued_ms=4.0) * 1e3
+                print(f"{name:28s}{a:10.1f}{g:10.1f}{a - g:10.1f}", flush=True)
+            for name, ms in settled.items():
+                a = testing.median_ms(shots["torch.neg"], iters=41, settle_ms=ms) * 1e3
+                g = testing.median_ms(shots["torch.neg"], iters=41, queued_ms=4.0) * 1e3
+                print(f"{name:28s}{a:10.1f}{g:10.1f}{a - g:10.1f}", flush=True)
+
+
+def conv_nograd_steps(samples: int = 200) -> None:
+    """The no-grad "fused_tf32" seed forward's host path step by step: the
+    steps of ``conv2d_div_leaky_relu`` and ``_no_grad_forward`` (a copy, with
+    a host clock after each), each sample right after the host waited for
+    0.27 ms of GPU work, as a single shot of the forward finds it. Median us
+    per step."""
+    from cupy_act import _conv
+    from cupy_act.torch import _impl, conv
+
+    x = torch.randn(128, 8, 128, 128, device="cuda")
+    w = torch.randn(64, 8, 3, 3, device="cuda") * 0.1
+    b = torch.randn(64, device="cuda")
+    clock = time.perf_counter_ns
+    args = (2.0, 0.01)
+    names = ("checks", "grad mode and route", "operands and y", "kept launch",
+             "pointers and stream", "launch")  # fmt: skip
+    steps: list[list[float]] = [[] for _ in names]
+    ys = []
+    with torch.no_grad():
+        for i in range(samples + 5):
+            testing._queue_gpu(0.27)
+            torch.cuda.synchronize()
+            t = [clock()]
+            c = conv._checked(x, w, b, *args, 1, 0, 1, "fused_tf32")
+            t.append(clock())
+            needs = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
+            ok = "fused_tf32".startswith("fused") and c.fusable[1] and not needs
+            divisor, slope = float(args[0]), float(args[1])
+            ok = ok and not torch.compiler.is_compiling()
+            t.append(clock())
+            xd, wd, bd, y, cl = conv._operands(x, w, b, c.g)
+            t.append(clock())
+            k = c.launches.get((True, cl, _conv.FORWARD_TMAP, _conv.FORWARD_SEAMS))
+            if k is None:
+                conv._no_grad_forward(x, w, b, c, divisor, slope, True)
+                k = c.launches[(True, cl, _conv.FORWARD_TMAP, _conv.FORWARD_SEAMS)]
+            sl, sc = k.scalars
+            t.append(clock())
+            stream = _impl._raw_stream(k.dev)
+            p = (xd.data_ptr(), wd.data_ptr(), bd.data_ptr(), y.data_ptr(), 0)
+            t.append(clock())
+            k.run(stream, *p, sl, sc)
+            t.append(clock())
+            ys.append(y)
+            del ys[:-1]
+            if i >= 5:
+                for j in range(len(names)):
+                    steps[j].append((t[j + 1] - t[j]) / 1e3)
+    torch.cuda.synchronize()
+    print(f"\nthe no-grad forward's host path after 0.27 ms of GPU work, median us of {samples}")
+    for name, v in zip(names, steps):
+        print(f"  {name:28s}{statistics.median(v):8.2f}")
+    print(f"  {'sum of medians':28s}{sum(statistics.median(v) for v in steps):8.2f}")
 
 
 class _TorchRelu(torch.autograd.Function):

@@ -668,6 +668,54 @@ def test_forward_launch_picks_its_kernel_per_call(monkeypatch):
     assert go(_conv.geometry("f", (0, 8, 128, 128), (64, 8, 3, 3)), 256) == []
 
 
+def test_no_grad_forward_keeps_its_launch_per_kind_of_call(monkeypatch):
+    """conv._no_grad_forward (fake kernels, CPU tensors, no GPU) looks its
+    launch up once per kind of call (conv._checked's), precision, layout and
+    setting of the forward's switches; every call launches on its own
+    tensors' addresses (a strided weight's dense copy, not the view) with
+    the scalars of its slope, a zero slope with its own sign each time (0.0
+    and -0.0 are one kind of call); an empty output launches nothing."""
+    launched = _record_launches(monkeypatch)
+    kernels = _conv.ForwardKernels(_conv.ConvKernel(1, 7, None), _conv.ConvKernel(2, 7, None))
+    monkeypatch.setattr(_conv, "kernel", lambda *args: kernels)
+    monkeypatch.setattr(_impl, "_raw_stream", lambda dev: 5)
+    looked = []
+    lookup = _conv.forward_launch
+    monkeypatch.setattr(_conv, "forward_launch", lambda *a: looked.append(a) or lookup(*a))
+
+    def checked(g):
+        return conv._Checked(g.padding, (True, True), (g.stride, g.padding, g.dilation), g, {})
+
+    x, w, b = _xwb((2, 8, 20, 20), (16, 8, 3, 3))
+    g = _conv.geometry("f", x.shape, w.shape)
+    c = checked(g)
+
+    def go(c, slope=0.01, tf32=True, w=w):
+        launched.clear()
+        y = conv._no_grad_forward(x, w, b, c, 2.0, slope, tf32)
+        assert y.shape == c.g.out_shape
+        return y, [f for _, _, _, f, _ in launched]
+
+    for _ in range(2):
+        y, (f,) = go(c)
+        assert f[:5] == (x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), 0)
+        assert f[28:30] == _conv._scalars(0.01, 2.0, "f")
+    assert len(looked) == 1
+    go(c, tf32=False)
+    monkeypatch.setattr(_conv, "FORWARD_SEAMS", False)
+    go(c, tf32=False)
+    assert len(looked) == 3
+    strided = w.permute(1, 0, 2, 3).contiguous().permute(1, 0, 2, 3)
+    y, (f,) = go(c, w=strided)
+    assert f[1] != strided.data_ptr()
+    zero = checked(g)
+    for slope in (-0.0, 0.0, -0.0):
+        _, (f,) = go(zero, slope)
+        assert math.copysign(1, f[28]) == math.copysign(1, slope)
+    empty = checked(_conv.geometry("f", (0, 8, 20, 20), w.shape))
+    assert go(empty)[1] == []
+
+
 def test_kernel_scalars_keep_the_sign_of_a_zero_slope():
     """_conv._scalars keeps rounded scalars per value, but 0.0 and -0.0 are
     equal keys with different results (x * -0.0 is +0.0 for negative x):
@@ -1253,6 +1301,32 @@ def test_empty_batch():
     x, w, b = _xwb((0, 3, 9, 11), (5, 3, 3, 3), "cuda")
     y = ct.conv2d_div_leaky_relu(x, w, b, algorithm="fused")
     assert y.shape == (0, 5, 7, 9)
+
+
+@gpu
+@pytest.mark.parametrize("algorithm", ["fused", "fused_tf32"])
+@pytest.mark.parametrize("cl", [False, True], ids=["nchw", "nhwc"])
+def test_fused_forward_of_strided_views_is_that_of_dense_copies(algorithm, cl):
+    """x, weight and bias as strided views (every other column, a weight in
+    the wrong memory order, every other bias) give the bits their dense copies
+    give; a channels-last x keeps its layout, a strided one comes out NCHW."""
+    x, w, b = _xwb((2, 5, 19, 46), (9, 5, 3, 3), "cuda")
+    x = _layout(x, cl)
+    b2 = torch.randn(18, device="cuda")
+    views = {
+        "x": (x[..., ::2], w, b),
+        "weight": (x, w.permute(1, 0, 2, 3).contiguous().permute(1, 0, 2, 3), b),
+        "bias": (x, w, b2[::2]),
+    }
+    for name, (xv, wv, bv) in views.items():
+        assert not {"x": xv, "weight": wv, "bias": bv}[name].is_contiguous()
+        # (a dense x as it is: its layout picks the kernel)
+        dense = (xv.contiguous() if name == "x" else xv, wv.contiguous(), bv.contiguous())
+        with torch.no_grad():
+            y = ct.conv2d_div_leaky_relu(xv, wv, bv, DIVISOR, SLOPE, algorithm=algorithm)
+            ref = ct.conv2d_div_leaky_relu(*dense, DIVISOR, SLOPE, algorithm=algorithm)
+        testing.assert_bits_equal(y.contiguous(), ref.contiguous())
+        assert y.is_contiguous() == (not cl or name == "x"), name
 
 
 @gpu

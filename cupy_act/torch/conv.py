@@ -68,15 +68,10 @@ def fused_forward(
 def _forward(x: Tensor, weight: Tensor, bias, g, divisor, slope, tf32, with_mask):
     """fused_forward on a worked-out geometry ``g``; the mask None without
     ``with_mask``."""
-    cl = _impl.is_channels_last(x)
-    fmt = torch.channels_last if cl else torch.contiguous_format
-    x = x.contiguous(memory_format=fmt)
-    w = weight.contiguous()  # OIHW in either layout
-    y = torch.empty(g.out_shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+    x, w, b, y, cl = _operands(x, weight, bias, g)
     mask = None
     if with_mask:
         mask = torch.zeros(mask_nbytes(y.numel()), dtype=torch.uint8, device=x.device)
-    b = None if bias is None else bias.contiguous()
     dev = x.get_device()
     _conv.launch(
         dev,
@@ -95,6 +90,67 @@ def _forward(x: Tensor, weight: Tensor, bias, g, divisor, slope, tf32, with_mask
         FNAME,
     )
     return y, mask
+
+
+def _operands(x: Tensor, weight: Tensor, bias, g):
+    """(x, weight, bias) dense in the kernel's layout, the output y, and
+    whether that layout is channels-last (x's, where x is dense so)."""
+    # (a single shot of the forward pays every step before its launch in
+    # host time: a dense tensor is taken as it is, an NCHW y by new_empty)
+    if _impl.is_channels_last(x):
+        y = torch.empty(
+            g.out_shape, dtype=x.dtype, device=x.device, memory_format=torch.channels_last
+        )
+        cl = True
+    else:
+        x = x if x.is_contiguous() else x.contiguous()
+        y = x.new_empty(g.out_shape)
+        cl = False
+    w = weight if weight.is_contiguous() else weight.contiguous()  # OIHW in either layout
+    b = bias if bias is None or bias.is_contiguous() else bias.contiguous()
+    return x, w, b, y, cl
+
+
+class _NoGrad(NamedTuple):
+    """The no-grad forward's launch for one kind of call and layout (kept in
+    its ``_Checked``): the prepared launch (None: an empty output), the
+    device, and the kernel's scalars (None: worked out per call, see
+    ``_no_grad_forward``)."""
+
+    run: object
+    dev: int
+    scalars: tuple[float, float] | None
+
+
+def _no_grad_forward(x: Tensor, weight: Tensor, bias, c, divisor, slope, tf32) -> Tensor:
+    """``_forward`` without a mask, with what it looks up per call kept in
+    ``c.launches`` (per precision, layout and the forward's switches)."""
+    x, w, b, y, cl = _operands(x, weight, bias, c.g)
+    key = (tf32, cl, _conv.FORWARD_TMAP, _conv.FORWARD_SEAMS)
+    k = c.launches.get(key)
+    if k is None:
+        dev, g = x.get_device(), c.g
+        run = None
+        if g.n * g.oh * g.ow:
+            run = _conv.forward_launch(
+                dev, _impl.DTYPE_NAMES[x.dtype], "tf32" if tf32 else "fp32", cl, g
+            )
+        # (not for a zero slope: 0.0 and -0.0 share c, but not their bits)
+        scalars = _conv._scalars(slope, divisor, FNAME) if slope != 0 else None
+        k = c.launches[key] = _NoGrad(run, dev, scalars)
+    if k.run is not None:
+        sl, sc = k.scalars or _conv._scalars(slope, divisor, FNAME)
+        k.run(
+            _impl._raw_stream(k.dev),
+            x.data_ptr(),
+            w.data_ptr(),
+            0 if b is None else b.data_ptr(),
+            y.data_ptr(),
+            0,
+            sl,
+            sc,
+        )
+    return y
 
 
 @torch.library.custom_op("cupy_act::conv2d_div_leaky_relu", mutates_args=())
@@ -458,6 +514,7 @@ class _Checked(NamedTuple):
     fusable: tuple[bool, ...]  # whether the fused kernel runs it: FP32 (three passes), TF32
     spd: tuple  # stride, padding and dilation as pairs, where it does
     g: object  # the geometry (_conv.Geometry), where it does
+    launches: dict  # the no-grad forward's, as they are first made (_no_grad_forward)
 
 
 _checks: dict[tuple, _Checked] = {}
@@ -476,7 +533,10 @@ def _checked(x, weight, bias, divisor, slope, stride, padding, dilation, algorit
             key = (
                 x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device,
                 None if bias is None else (bias.shape, bias.dtype, bias.device),
-                _exact(stride), _exact(padding), _exact(dilation),
+                # (an int as it is: a call less each, the common case)
+                stride if type(stride) is int else _exact(stride),
+                padding if type(padding) is int else _exact(padding),
+                dilation if type(dilation) is int else _exact(dilation),
                 divisor, type(divisor), slope, type(slope), algorithm,
             )  # fmt: skip
             c = _checks.get(key)
@@ -494,7 +554,7 @@ def _checked(x, weight, bias, divisor, slope, stride, padding, dilation, algorit
         name = _impl.DTYPE_NAMES[x.dtype]
         fusable = tuple(_conv.fits(g, _conv.passes(name, p)) for p in ("fp32", "tf32"))
         spd = (g.stride, g.padding, g.dilation)
-    c = _Checked(pad, fusable, spd, g)
+    c = _Checked(pad, fusable, spd, g, {})
     if key is not None and None not in key[7:10]:
         if len(_checks) >= 256:
             _checks.clear()
@@ -538,13 +598,21 @@ def conv2d_div_leaky_relu(
     the fused algorithms never materialises that output at all).
     """
     c = _checked(input, weight, bias, divisor, negative_slope, stride, padding, dilation, algorithm)
-    # which of (input, weight, bias) ask for a gradient (wanted only in grad mode)
-    grads = (input.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
-    needs_grad = torch.is_grad_enabled() and any(grads)
+    needs_grad = torch.is_grad_enabled() and (
+        input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
     if algorithm == "auto":
+        # which of (input, weight, bias) ask for a gradient (None: no grad mode, or none)
+        grads = None
+        if needs_grad:
+            grads = (
+                input.requires_grad,
+                weight.requires_grad,
+                bias is not None and bias.requires_grad,
+            )
         algorithm = _choose(
             input, weight, bias, divisor, negative_slope, stride, c, dilation, padding,
-            allow_tf32, grads if needs_grad else None,
+            allow_tf32, grads,
         )  # fmt: skip
     tf32 = algorithm == "fused_tf32"
     if algorithm.startswith("fused") and c.fusable[1 if tf32 else 0]:
@@ -556,7 +624,7 @@ def conv2d_div_leaky_relu(
         if needs_grad or compiling:
             spd = [list(v) for v in c.spd]
             return fused_op(input, weight, bias, divisor, negative_slope, *spd, tf32, needs_grad)[0]
-        return _forward(input, weight, bias, c.g, divisor, negative_slope, tf32, False)[0]
+        return _no_grad_forward(input, weight, bias, c, divisor, negative_slope, tf32)
     cl = algorithm == "channels_last"
     return _unfused(input, weight, bias, divisor, negative_slope, stride, padding, dilation, cl)
 
