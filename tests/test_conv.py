@@ -684,7 +684,8 @@ def test_no_grad_forward_keeps_its_launch_per_kind_of_call(monkeypatch):
     monkeypatch.setattr(_conv, "forward_launch", lambda *a: looked.append(a) or lookup(*a))
 
     def checked(g):
-        return conv._Checked(g.padding, (True, True), (g.stride, g.padding, g.dilation), g, {})
+        spd = (g.stride, g.padding, g.dilation)
+        return conv._Checked(g.padding, (True, True), spd, g, {}, {})
 
     x, w, b = _xwb((2, 8, 20, 20), (16, 8, 3, 3))
     g = _conv.geometry("f", x.shape, w.shape)
@@ -1240,6 +1241,30 @@ def test_auto_picks_a_candidate_and_caches_it():
     picked = [v for k, v in conv.auto_choices().items() if k[2] == tuple(x.shape)]
     assert len(picked) == 1 and picked[0] in conv.candidates(torch.float32, False)
     testing.assert_bits_equal(y, ct.conv2d_div_leaky_relu(x, w, b, algorithm=picked[0]))
+
+
+@gpu
+def test_auto_looks_its_choice_up_per_kind_of_call(monkeypatch):
+    """A call of "auto" finds its choice in its kind of call's entry
+    (conv._checked's) and times nothing again; cuDNN's TF32 switch and x's
+    layout, which that kind does not hold, each make a choice of their own."""
+    x, w, b = _xwb((2, 8, 21, 19), (16, 8, 3, 3), "cuda")  # (a shape of its own)
+    ct.conv2d_div_leaky_relu(x, w, b, algorithm="auto")
+    timed = []
+
+    def timing(fns):
+        timed.append(list(fns))
+        return {name: 1.0 for name in fns}
+
+    monkeypatch.setattr(testing, "interleaved_median_ms", timing)
+    ct.conv2d_div_leaky_relu(x, w, b, algorithm="auto")
+    c = conv._checked(x, w, b, 1.0, 0.01, 1, 0, 1, "auto")
+    assert timed == [] and len(c.choices) == 1
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", not torch.backends.cudnn.allow_tf32)
+    ct.conv2d_div_leaky_relu(x, w, b, algorithm="auto")
+    assert len(timed) == 1 and len(c.choices) == 2
+    ct.conv2d_div_leaky_relu(_layout(x, True), w, b, algorithm="auto")
+    assert len(timed) == 2 and len(c.choices) == 3
 
 
 @pytest.fixture

@@ -515,6 +515,7 @@ class _Checked(NamedTuple):
     spd: tuple  # stride, padding and dilation as pairs, where it does
     g: object  # the geometry (_conv.Geometry), where it does
     launches: dict  # the no-grad forward's, as they are first made (_no_grad_forward)
+    choices: dict  # "auto"'s, as _choose finds them
 
 
 _checks: dict[tuple, _Checked] = {}
@@ -554,7 +555,7 @@ def _checked(x, weight, bias, divisor, slope, stride, padding, dilation, algorit
         name = _impl.DTYPE_NAMES[x.dtype]
         fusable = tuple(_conv.fits(g, _conv.passes(name, p)) for p in ("fp32", "tf32"))
         spd = (g.stride, g.padding, g.dilation)
-    c = _Checked(pad, fusable, spd, g, {})
+    c = _Checked(pad, fusable, spd, g, {}, {})
     if key is not None and None not in key[7:10]:
         if len(_checks) >= 256:
             _checks.clear()
@@ -727,40 +728,55 @@ def _choose(
     ``_checked``, which says where the fused kernel runs."""
     if not x.is_cuda:
         return "exact"
+    # What the choice depends on beyond the call's kind (``checked``'s key:
+    # shapes, dtype, device, hyper-parameters), looked up there first: a
+    # per-call cost of its own on every call of "auto".
+    cl, cudnn_tf32 = _impl.is_channels_last(x), _cudnn_allow_tf32()
+    choice = checked.choices.get((cl, allow_tf32, cudnn_tf32, grads))
+    if choice is not None:
+        return choice
     key = (
         x.device,
         x.dtype,
         tuple(x.shape),
-        _impl.is_channels_last(x),
+        cl,
         tuple(weight.shape),
         bias is not None,
         str(stride),
         str(padding),
         str(dilation),
         allow_tf32,
-        torch.backends.cudnn.allow_tf32,
+        cudnn_tf32,
         grads,
     )
     choice = _choices.get(key)
-    if choice is not None:
-        return choice
-    fusable = dict(zip(("fused", "fused_tf32"), checked.fusable))
-    # No timing while compiling or capturing a graph: the fused kernel, if it applies.
-    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
-        return "fused" if fusable["fused"] else "exact"
-    names = [a for a in candidates(x.dtype, allow_tf32) if fusable.get(a, True)]
-    if grads is not None:
-        times = testing.interleaved_median_ms(
-            {a: _training_step(x, weight, bias, divisor, slope, stride, padding, dilation, a)
-             for a in names}
-        )  # fmt: skip
-    else:
-        args = (x, weight, bias, divisor, slope, stride, padding, dilation)
-        runs = {a: functools.partial(conv2d_div_leaky_relu, *args, algorithm=a) for a in names}
-        with torch.no_grad():
-            times = testing.interleaved_median_ms(runs)
-    choice = _choices[key] = min(times, key=times.__getitem__)
+    if choice is None:
+        fusable = dict(zip(("fused", "fused_tf32"), checked.fusable))
+        # No timing while compiling or capturing a graph: the fused kernel, if it applies.
+        if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+            return "fused" if fusable["fused"] else "exact"
+        names = [a for a in candidates(x.dtype, allow_tf32) if fusable.get(a, True)]
+        if grads is not None:
+            times = testing.interleaved_median_ms(
+                {a: _training_step(x, weight, bias, divisor, slope, stride, padding, dilation, a)
+                 for a in names}
+            )  # fmt: skip
+        else:
+            args = (x, weight, bias, divisor, slope, stride, padding, dilation)
+            runs = {a: functools.partial(conv2d_div_leaky_relu, *args, algorithm=a) for a in names}
+            with torch.no_grad():
+                times = testing.interleaved_median_ms(runs)
+        choice = _choices[key] = min(times, key=times.__getitem__)
+    checked.choices[(cl, allow_tf32, cudnn_tf32, grads)] = choice
     return choice
+
+
+try:  # cudnn.allow_tf32 without its property's Python layers (1 us of each call)
+    _cudnn_allow_tf32 = torch._C._get_cudnn_allow_tf32
+except AttributeError:  # pragma: no cover - the public property
+
+    def _cudnn_allow_tf32() -> bool:
+        return torch.backends.cudnn.allow_tf32
 
 
 def _training_step(x, weight, bias, divisor, slope, stride, padding, dilation, algorithm):
