@@ -24,6 +24,13 @@ and a Python autograd.Function around torch's own relu.
 eager block, ours as it trains in eager mode, and ours through the custom op
 that torch.compile and torch.func take.
 
+``--conv-nograd``: instead, the no-grad "fused_tf32" forward's host path:
+part by part at the seed's geometry for one image (back to back, and one
+call right after a synchronize), the seed's single shots (the whole call,
+without the checks, the prepared launch alone; ``torch.neg`` also after the
+host waited for 0.27 and 1 ms of GPU work), and the path's steps with a
+host clock after each.
+
 ``--bn``: instead, BatchNorm + LeakyReLU on a small N x C x H x W tensor
 (``--shape``), training, the input a non-leaf and the parameters trained:
 PyTorch's pair (``nn.BatchNorm2d``, ``nn.LeakyReLU(inplace=True)``),
@@ -553,8 +560,7 @@ def conv_nograd_rows(calls: int, repeats: int) -> None:
         print(f"{name:28s}{a:14.2f}{c:14.2f}", flush=True)
     # The seed's forward as conv_bench times it: from the host's call to the
     # GPU's end, and with the GPU kept busy meanwhile (its time alone); and
-    # the same launch with less of the host's path before it. Round after
-    # round, each call once per round, so that the host's drift hits all.
+    # the same launch with less of the host's path before it; two rounds.
     xs = torch.randn(128, 8, 128, 128, device="cuda")
     gs = _conv.geometry("overhead", xs.shape, w.shape, 1, 0, 1)
     ys = torch.empty(gs.out_shape, device="cuda")
@@ -576,13 +582,13 @@ def conv_nograd_rows(calls: int, repeats: int) -> None:
     with torch.no_grad():
         for _ in range(2):
             for name, fn in shots.items():
-                a = testing.median_ms(fn, iters=41) * 1e3
-                g = testing.median_ms(fn, iters=41, queued_ms=4.0) * 1e3
-                print(f"{name:28s}{a:10.1f}{g:10.1f}{a - g:10.1f}", flush=True)
+                one = testing.median_ms(fn, iters=41) * 1e3
+                alone = testing.median_ms(fn, iters=41, queued_ms=4.0) * 1e3
+                print(f"{name:28s}{one:10.1f}{alone:10.1f}{one - alone:10.1f}", flush=True)
             for name, ms in settled.items():
-                a = testing.median_ms(shots["torch.neg"], iters=41, settle_ms=ms) * 1e3
-                g = testing.median_ms(shots["torch.neg"], iters=41, queued_ms=4.0) * 1e3
-                print(f"{name:28s}{a:10.1f}{g:10.1f}{a - g:10.1f}", flush=True)
+                one = testing.median_ms(shots["torch.neg"], iters=41, settle_ms=ms) * 1e3
+                alone = testing.median_ms(shots["torch.neg"], iters=41, queued_ms=4.0) * 1e3
+                print(f"{name:28s}{one:10.1f}{alone:10.1f}{one - alone:10.1f}", flush=True)
 
 
 def conv_nograd_steps(samples: int = 200) -> None:
