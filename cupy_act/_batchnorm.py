@@ -74,7 +74,7 @@ def _kernel(device: int, dtype: str, name: str) -> _Kernel:
         names = _names(dtype)
         ctx, functions = _loader.load_module(_modules, dtype, SOURCE, names, device)
         for n, f in zip(names, functions):
-            _kernels[(device, n)] = _Kernel(f.kernel.ptr, ctx, f.kernel)
+            _kernels[(device, n)] = _Kernel(f.ptr, ctx, f)
     return _kernels[(device, name)]
 
 

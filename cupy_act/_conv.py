@@ -528,7 +528,7 @@ def _load(device: int, module_key, source: str, names) -> list[ConvKernel]:
     _lock."""
     extra = arch_options(_sm(device))
     ctx, functions = _loader.load_module(_modules, module_key, source, list(names), device, extra)
-    return [ConvKernel(f.kernel.ptr, ctx, f.kernel) for f in functions]
+    return [ConvKernel(f.ptr, ctx, f) for f in functions]
 
 
 def _instantiation(table: dict, key: tuple, module_key, source: str, names, entry):
@@ -644,8 +644,10 @@ def _blocks(device: int, k: ConvKernel, smem: int) -> int:
     if n is None:
         import cupy
 
-        driver = cupy.cuda.driver
-        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(k.ptr, THREADS, smem)
+        # (in the kernel's context: the caller's thread may have another
+        # device's current, and the driver then calls the handle invalid)
+        occupancy = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor
+        per_sm = _launch.in_context(k.ctx, occupancy, k.ptr, THREADS, smem)
         sms = cupy.cuda.Device(device).attributes["MultiProcessorCount"]
         n = _resident[key] = max(1, per_sm) * sms
     return n
@@ -660,7 +662,7 @@ def _allow_smem(k: ConvKernel, nbytes: int) -> None:
 
     driver = cupy.cuda.driver
     attr = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    driver.funcSetAttribute(k.ptr, attr, nbytes)
+    _launch.in_context(k.ctx, driver.funcSetAttribute, k.ptr, attr, nbytes)  # (as in _blocks)
     _smem_set[k.ptr] = nbytes
 
 
@@ -749,8 +751,11 @@ class ForwardLaunch(NamedTuple):
     tmap: Prepared | None
     x_map: _tensormap.TiledMap | None
 
-    def __call__(self, stream: int, x, w, bias, y, mask, slope, scale) -> None:
-        """Launch on raw addresses with the op-type scalars (``_scalars``)."""
+    def __call__(self, stream: int, x, w, bias, y, mask, slope, scale, zero_bytes=0) -> None:
+        """Launch on raw addresses with the op-type scalars (``_scalars``);
+        ``zero_bytes``: the mask's bytes to zero first (0: zeroed by the caller)."""
+        if zero_bytes:
+            _launch.zero(self.main.ctx, mask, zero_bytes, stream)
         if self.tmap is not None and self.x_map is not None and x % 16 == 0:
             # (the descriptor's buffer held till the launch: another thread
             # may replace the map's last one)

@@ -67,8 +67,9 @@ try:  # `cupy.cuda.driver` is an attribute of cupy.cuda, not an importable modul
     _launch_kernel = _driver.launchKernel
     _ctx_get_current = _driver.ctxGetCurrent
     _ctx_set_current = _driver.ctxSetCurrent
+    _memset_async = cupy.cuda.runtime.memsetAsync
 except ImportError:  # pragma: no cover - CuPy is a dependency
-    _launch_kernel = _ctx_get_current = _ctx_set_current = None
+    _launch_kernel = _ctx_get_current = _ctx_set_current = _memset_async = None
 
 
 # The part every call fills in; the scalars after it are fixed per Launch.
@@ -155,13 +156,30 @@ def run(
     """cuLaunchKernel(ptr) in context ``ctx`` (see the module docstring) with the
     argument pointer array at address ``argv`` and ``smem`` bytes of dynamic
     shared memory."""
-    current = _ctx_get_current()
-    if current == ctx:
+    if _ctx_get_current() == ctx:  # (the common case inline: a call less)
         _launch_kernel(ptr, grid[0], grid[1], 1, threads, 1, 1, smem, stream, argv, 0)
         return
+    in_context(ctx, _launch_kernel, ptr, grid[0], grid[1], 1, threads, 1, 1, smem, stream, argv, 0)
+
+
+def zero(ctx: int, ptr: int, nbytes: int, stream: int) -> None:
+    """cudaMemsetAsync(ptr, 0, nbytes) on ``stream`` in context ``ctx``: a
+    buffer zeroed for a kernel's launch, as ``run`` launches it (the runtime
+    takes the thread's current context), one driver call instead of a
+    PyTorch operation's dispatch."""
+    in_context(ctx, _memset_async, ptr, 0, nbytes, stream)
+
+
+def in_context(ctx: int, call, *args):
+    """``call(*args)`` with ``ctx`` current (see the module docstring): a
+    launch, or a driver call on a kernel of that context (its attributes,
+    its occupancy), from any thread and whatever device is current."""
+    current = _ctx_get_current()
+    if current == ctx:
+        return call(*args)
     _ctx_set_current(ctx)
     try:
-        _launch_kernel(ptr, grid[0], grid[1], 1, threads, 1, 1, smem, stream, argv, 0)
+        return call(*args)
     finally:
         if current:  # another context was current: give it back
             _ctx_set_current(current)

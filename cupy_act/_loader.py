@@ -139,7 +139,9 @@ def load_module(
     (compiled with the NVRTC options ``extra`` added, or loaded from CuPy's disk
     cache), in the device's primary context. For the modules outside the
     elementwise ones (the fused convolution, BatchNorm); callers hold their own
-    lock."""
+    lock. The Functions are taken while ``device`` is current: a RawKernel's
+    ``kernel`` is the current device's, and another device's function in
+    this context is an invalid handle at launch."""
     import cupy
     from cupy.cuda import driver
 
@@ -150,7 +152,7 @@ def load_module(
         )
     with cupy.cuda.Device(device):
         cupy.cuda.runtime.setDevice(device)  # make the primary context current
-        return driver.ctxGetCurrent(), _get_functions(module, names)
+        return driver.ctxGetCurrent(), [f.kernel for f in _get_functions(module, names)]
 
 
 def _get_functions(module, names) -> list:

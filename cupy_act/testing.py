@@ -257,13 +257,23 @@ def median_ms(
     return statistics.median(times)
 
 
-def interleaved_median_ms(fns: dict, rounds: int = 9, warmup: int = 2) -> dict:
+def interleaved_median_ms(
+    fns: dict, rounds: int = 9, warmup: int = 2, single_shot: bool = False
+) -> dict:
     """{name: median CUDA-event ms} of each ``fns[name]()``, timed in turn round
     after round, so that a drift of the clocks or of the machine's load hits
     every candidate alike; each round in an order of its own (shuffled from
     a fixed seed: the same every call), so that no candidate always follows
     the same one (what ran just before can slow a call: clocks lowered by a
-    heavy kernel, a cache left cold); ``warmup`` untimed calls of each first."""
+    heavy kernel, a cache left cold); ``warmup`` untimed calls of each first.
+
+    Calls follow one another without waiting, so a call's time is its GPU
+    time where the one before left the GPU busy, and includes its host's
+    where it did not. ``single_shot`` times each call as ``median_ms`` does:
+    right after an untimed call of its own (so that what ran before it is the
+    same for every candidate) and a wait for the GPU, from the host's call to
+    the GPU's end.
+    """
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -272,9 +282,14 @@ def interleaved_median_ms(fns: dict, rounds: int = 9, warmup: int = 2) -> dict:
     for r in range(rounds):
         for name, fn in random.Random(r).sample(items, len(items)):
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if single_shot:
+                fn()
+                torch.cuda.synchronize()
             start.record()
             fn()
             stop.record()
+            if single_shot:
+                stop.synchronize()
             events[name].append((start, stop))
     torch.cuda.synchronize()
     return {n: statistics.median(a.elapsed_time(b) for a, b in ev) for n, ev in events.items()}

@@ -31,6 +31,15 @@ without the checks, the prepared launch alone; ``torch.neg`` also after the
 host waited for 0.27 and 1 ms of GPU work), and the path's steps with a
 host clock after each.
 
+``--conv-train``: instead, the seed block's training forward and steps
+(``conv2d_div_leaky_relu(...).backward(gy)``, "fused" and "fused_tf32", x
+needing a gradient or not) in single shots, the adapter's path now and as
+the twenty-ninth session left it, interleaved; then (not with ``--no-clocks``)
+such steps with a host clock around each function of the adapter's path:
+when each started and how long it took, from the step's start, against when
+the GPU ended the forward and the step. ``PYTHONPATH=<another tree>`` times
+that tree's adapter with this script.
+
 ``--bn``: instead, BatchNorm + LeakyReLU on a small N x C x H x W tensor
 (``--shape``), training, the input a non-leaf and the parameters trained:
 PyTorch's pair (``nn.BatchNorm2d``, ``nn.LeakyReLU(inplace=True)``),
@@ -49,6 +58,7 @@ import time
 import numpy
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 import cupy_act.torch as ct
 from cupy_act import testing
@@ -84,7 +94,16 @@ def main() -> None:
     ap.add_argument(
         "--conv-nograd", action="store_true", help="the no-grad fused forward's host path, by part"
     )
+    ap.add_argument(
+        "--conv-train", action="store_true", help="a fused training step's host path, by function"
+    )
+    ap.add_argument("--no-clocks", action="store_true", help="--conv-train's single shots only")
     args = ap.parse_args()
+    if args.conv_train:
+        conv_train_shots()
+        if not args.no_clocks:
+            conv_train_steps()
+        return
     if args.conv_nograd:
         conv_nograd_rows(args.calls, args.repeats)
         conv_nograd_steps()
@@ -534,7 +553,7 @@ def conv_nograd_rows(calls: int, repeats: int) -> None:
             x, w, b, 2.0, 0.01, algorithm="fused_tf32"
         ),
         "_checked": lambda: conv._checked(x, w, b, 2.0, 0.01, 1, 0, 1, "fused_tf32"),
-        "_no_grad_forward": lambda: conv._no_grad_forward(x, w, b, c1, 2.0, 0.01, True),
+        "_kept_forward": lambda: conv._kept_forward(x, w, b, c1, 2.0, 0.01, True, False),
         "torch.empty (y)": lambda: torch.empty(g.out_shape, dtype=x.dtype, device=x.device),
         "_conv.launch": lambda: _conv.launch(
             dev, "float32", "tf32", False, g, stream, *ptrs, 0.01, 2.0, "overhead"
@@ -572,7 +591,7 @@ def conv_nograd_rows(calls: int, repeats: int) -> None:
         "seed forward": lambda: ct.conv2d_div_leaky_relu(
             xs, w, b, 2.0, 0.01, algorithm="fused_tf32"
         ),
-        "  its _no_grad_forward": lambda: conv._no_grad_forward(xs, w, b, cs, 2.0, 0.01, True),
+        "  its _kept_forward": lambda: conv._kept_forward(xs, w, b, cs, 2.0, 0.01, True, False),
         "  its prepared launch": lambda: seed_run(stream, *seed_ptrs, slope, scale),
     }
     # torch.neg also after the GPU worked as long as the seed's kernel, the
@@ -593,7 +612,7 @@ def conv_nograd_rows(calls: int, repeats: int) -> None:
 
 def conv_nograd_steps(samples: int = 200) -> None:
     """The no-grad "fused_tf32" seed forward's host path step by step: the
-    steps of ``conv2d_div_leaky_relu`` and ``_no_grad_forward`` (a copy, with
+    steps of ``conv2d_div_leaky_relu`` and ``_kept_forward`` (a copy, with
     a host clock after each), each sample right after the host waited for
     0.27 ms of GPU work, as a single shot of the forward finds it. Median us
     per step."""
@@ -605,7 +624,7 @@ def conv_nograd_steps(samples: int = 200) -> None:
     b = torch.randn(64, device="cuda")
     clock = time.perf_counter_ns
     args = (2.0, 0.01)
-    names = ("checks", "grad mode and route", "operands and y", "kept launch",
+    names = ("checks", "grad mode and route", "operands and y", "kept launch, scalars",
              "pointers and stream", "launch")  # fmt: skip
     steps: list[list[float]] = [[] for _ in names]
     ys = []
@@ -625,9 +644,9 @@ def conv_nograd_steps(samples: int = 200) -> None:
             t.append(clock())
             k = c.launches.get((True, cl, _conv.FORWARD_TMAP, _conv.FORWARD_SEAMS))
             if k is None:
-                conv._no_grad_forward(x, w, b, c, divisor, slope, True)
+                conv._kept_forward(x, w, b, c, divisor, slope, True, False)
                 k = c.launches[(True, cl, _conv.FORWARD_TMAP, _conv.FORWARD_SEAMS)]
-            sl, sc = k.scalars
+            sl, sc = _conv._scalars(slope, divisor, conv.FNAME)
             t.append(clock())
             stream = _impl._raw_stream(k.dev)
             p = (xd.data_ptr(), wd.data_ptr(), bd.data_ptr(), y.data_ptr(), 0)
@@ -644,6 +663,152 @@ def conv_nograd_steps(samples: int = 200) -> None:
     for name, v in zip(names, steps):
         print(f"  {name:28s}{statistics.median(v):8.2f}")
     print(f"  {'sum of medians':28s}{sum(statistics.median(v) for v in steps):8.2f}")
+
+
+def _seed_block():
+    """The seed block's x, weight, bias and an upstream gradient."""
+    torch.manual_seed(0)
+    x = torch.randn(128, 8, 128, 128, device="cuda")
+    w = torch.randn(64, 8, 3, 3, device="cuda") * 0.1
+    b = torch.randn(64, device="cuda")
+    return x, w, b, torch.randn(128, 64, 126, 126, device="cuda")
+
+
+class _FusedBefore(torch.autograd.Function):
+    """The fused training forward as the twenty-ninth session left it (for
+    ``conv_train_shots``): through Function.apply's Python wrapper, the mask
+    by ``torch.zeros`` and the launch looked up per call (``_conv.launch``,
+    which ``conv._forward`` still calls for the custom op); the same
+    backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, divisor, slope, tf32, c):
+        from cupy_act.torch import conv
+
+        y, mask = conv._forward(x, weight, bias, c.g, divisor, slope, tf32, True)
+        stride, padding, dilation = c.spd
+        conv._save(ctx, x, weight, bias, mask, slope, divisor, stride, padding, dilation, tf32, c.g)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gy):
+        from cupy_act.torch import conv
+
+        return *conv._grads(ctx, gy, True), *(None,) * 4
+
+
+def conv_train_shots(rounds: int = 41) -> None:
+    """Single shots of the seed block's training forward (x needing no
+    gradient) and whole steps, "fused" and "fused_tf32", as conv_bench times
+    them, the adapter's path now and as it was (``_FusedBefore``), interleaved
+    round after round; and the GPU's time alone (us)."""
+    from cupy_act.torch import conv
+
+    x0, w0, b0, gy = _seed_block()
+    w, b = (t.clone().requires_grad_() for t in (w0, b0))
+    x = x0.clone().requires_grad_()
+
+    def before(xs, a):
+        c = conv._checked(xs, w, b, 2.0, 0.01, 1, 0, 1, a)
+        return _FusedBefore.apply(xs, w, b, 2.0, 0.01, a == "fused_tf32", c)
+
+    def now(xs, a):
+        return ct.conv2d_div_leaky_relu(xs, w, b, 2.0, 0.01, algorithm=a)
+
+    def step(f, xs, a):
+        def run():
+            xs.grad = w.grad = b.grad = None
+            f(xs, a).backward(gy)
+
+        return run
+
+    print(f"\nsingle shots, us (median of {rounds}, interleaved): now, before, GPU alone")
+    for a in ("fused", "fused_tf32"):
+        cases = {
+            "forward, x no grad": {f: lambda f=f: f(x0, a) for f in (now, before)},
+            "fwd+bwd, x no grad": {f: step(f, x0, a) for f in (now, before)},
+            "fwd+bwd, x needs grad": {f: step(f, x, a) for f in (now, before)},
+        }
+        for name, fns in cases.items():
+            t = testing.interleaved_median_ms(fns, rounds=rounds, single_shot=True)
+            alone = testing.median_ms(fns[now], iters=rounds, queued_ms=4.0)
+            print(f"  {a:11s}{name:24s}{t[now] * 1e3:9.1f}{t[before] * 1e3:9.1f}{alone * 1e3:9.1f}")
+
+
+def conv_train_steps(samples: int = 40) -> None:
+    """Single-shot training steps of the seed block with each of the adapter's
+    functions on its path wrapped in host clocks (``--conv-train``). Per
+    function, medians over the steps: calls per step, when the first began
+    and how long all took (us from the step's start). The wrappers add about
+    0.3 us per call."""
+    from cupy_act import _conv
+    from cupy_act.torch import conv
+
+    calls: dict[str, list] = {}
+
+    def wrap(owner, name: str) -> None:
+        fn = getattr(owner, name)
+
+        def clocked(*a, **k):
+            t = time.perf_counter_ns()
+            try:
+                return fn(*a, **k)
+            finally:
+                calls.setdefault(name, []).append((t, time.perf_counter_ns()))
+
+        setattr(owner, name, clocked)
+
+    # (what a version has: the script also times an older tree's path)
+    for owner, names in (
+        (conv, ("_checked", "_kept_forward", "_forward", "_operands", "_save", "_grads",
+                "_route", "fused_wgrad", "fused_dgrad")),
+        (_conv, ("launch", "wgrad_launch", "launch_wgrad", "launch_dgrad")),
+        (torch, ("zeros", "empty")),
+    ):  # fmt: skip
+        for name in names:
+            if hasattr(owner, name):
+                wrap(owner, name)
+    x0, w0, b0, gy = _seed_block()
+    clock = time.perf_counter_ns
+    for algorithm in ("fused", "fused_tf32"):
+        for x_grad in (False, True):
+            x, w, b = (t.clone().requires_grad_(t is not x0 or x_grad) for t in (x0, w0, b0))
+            table: dict[str, list] = {}
+            for i in range(samples + 5):
+                x.grad = w.grad = b.grad = None
+                torch.cuda.synchronize()
+                calls.clear()
+                e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                t0 = clock()
+                e[0].record()
+                y = ct.conv2d_div_leaky_relu(x, w, b, 2.0, 0.01, algorithm=algorithm)
+                e[1].record()
+                t1 = clock()
+                y.backward(gy)
+                t2 = clock()
+                e[2].record()
+                e[2].synchronize()
+                if i < 5:
+                    continue
+                rows = {
+                    "forward returned": (1, t1 - t0, 0),
+                    "backward returned": (1, t2 - t0, 0),
+                    "GPU: forward ended": (1, e[0].elapsed_time(e[1]) * 1e6, 0),
+                    "GPU: step ended": (1, e[0].elapsed_time(e[2]) * 1e6, 0),
+                }
+                for name, v in calls.items():
+                    rows[name] = (len(v), v[0][0] - t0, sum(f - s for s, f in v))
+                for name, r in rows.items():
+                    table.setdefault(name, []).append(r)
+            print(f"\n{algorithm}, x {'needs' if x_grad else 'needs no'} gradient: "
+                  f"median of {samples} single-shot steps, us from the step's start")  # fmt: skip
+            print(f"  {'':24s}{'calls':>6s}{'first at':>10s}{'took':>9s}")
+            for name, v in sorted(
+                table.items(), key=lambda kv: statistics.median(r[1] for r in kv[1])
+            ):
+                n, at, took = (statistics.median(r[j] for r in v) for j in range(3))
+                print(f"  {name:24s}{n:6.0f}{at / 1e3:10.1f}{took / 1e3:9.1f}")
 
 
 class _TorchRelu(torch.autograd.Function):

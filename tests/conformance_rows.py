@@ -253,6 +253,13 @@ def first_backward_fused_conv(device):
     input-gradient kernels launch from the autograd engine's device thread,
     which has no CUDA context of its own yet. The gradients bit for bit those
     of the same block through its custom op (conv.fused_op) afterwards."""
+    fused_conv_against_op(device, "fused conv first backward")
+
+
+def fused_conv_against_op(device, what: str) -> None:
+    """The fused block's eager training step (forward, weight and input
+    gradients) on ``device``, bit for bit that of its custom op
+    (conv.fused_op)."""
     from cupy_act.torch import conv
 
     g = torch.Generator().manual_seed(0)
@@ -262,9 +269,10 @@ def first_backward_fused_conv(device):
     gy = torch.randn(2, 16, 18, 128, generator=g).to(device)
     y = ct.conv2d_div_leaky_relu(x, w, b, 2.0, 0.01, algorithm="fused")
     assert type(y.grad_fn).__name__ == "_FusedEagerBackward", type(y.grad_fn)
+    assert y.device == x.device, what
     got = torch.autograd.grad(y, (x, w, b), gy)
     y_op = conv.fused_op(x, w, b, 2.0, 0.01, [1, 1], [0, 0], [1, 1], False, True)[0]
-    same((y, got), (y_op, torch.autograd.grad(y_op, (x, w, b), gy)), "fused conv first backward")
+    same((y, got), (y_op, torch.autograd.grad(y_op, (x, w, b), gy)), what)
 
 
 @row("cpu", "cuda", "cuda:1")
@@ -336,7 +344,10 @@ def threads_on_own_streams(device):
 
 @row("cuda", gpus=2)
 def second_device(device):
-    """Tensors on cuda:1 while cuda:0 is current (and the other way round)."""
+    """Tensors on cuda:1 while cuda:0 is current (and the other way round):
+    the activations, the fused convolution block's training step (its mask
+    zeroed and its kernels launched in the tensors' device's context) and
+    BatchNormAct2d's (bit for bit the same step with its device current)."""
     for dev, current in (("cuda:1", 0), ("cuda:0", 1)):
         with torch.cuda.device(current):
             x, b, dy, _ = data(dev)
@@ -344,7 +355,25 @@ def second_device(device):
                 got = fwd_bwd(c.ours, x, b, dy)
                 assert got[0].device == x.device
                 same(got, fwd_bwd(c.ref, x, b, dy), f"{dev} while cuda:{current} {c.name}")
+            fused_conv_against_op(dev, f"{dev} while cuda:{current} fused conv")
+            with torch.cuda.device(dev):  # the same step with its own device current
+                expected = batchnorm_act_step(dev)
+            same(batchnorm_act_step(dev), expected, f"{dev} while cuda:{current} BatchNormAct2d")
             assert torch.cuda.current_device() == current
+
+
+def batchnorm_act_step(device):
+    """A training step of BatchNormAct2d (LeakyReLU) on ``device``: its fused
+    kernels' output, input gradient and parameters' gradients."""
+    g = torch.Generator().manual_seed(0)
+    m = ct.BatchNormAct2d(8, act_layer=nn.LeakyReLU, act_kwargs={"negative_slope": 0.1}).to(device)
+    x = torch.randn(4, 8, 6, 10, generator=g).to(device).requires_grad_()
+    y = m(x)
+    assert y.device == x.device
+    grads = torch.autograd.grad(
+        y, (x, m.weight, m.bias), torch.randn(y.shape, generator=g).to(device)
+    )
+    return (y, *grads, m.running_mean, m.running_var)
 
 
 @row("cuda", env={"CUPY_CACHE_DIR": "/proc"})

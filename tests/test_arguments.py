@@ -138,7 +138,8 @@ def test_import_does_not_import_torch():
 
 
 def test_launch_makes_the_kernels_context_current(monkeypatch):
-    """The launcher's context check, with the driver calls recorded (no GPU)."""
+    """The launcher's context check, with the driver calls recorded (no GPU):
+    for a kernel's launch and for a buffer zeroed before one."""
     from cupy_act import _launch
     from cupy_act._loader import Kernel
 
@@ -169,6 +170,17 @@ def test_launch_makes_the_kernels_context_current(monkeypatch):
     current["ctx"] = 0xD1
     _launch.Launch(k, 0.0, 1.0)(0, 100, 0, 0)
     assert calls == [("set", 0xC0), ("launch", 0xC0), ("set", 0xD1)] and current["ctx"] == 0xD1
+    # a buffer zeroed for a launch (_launch.zero): the same rule
+    monkeypatch.setattr(
+        _launch, "_memset_async", lambda *a: calls.append(("memset", current["ctx"], a))
+    )
+    calls.clear()
+    _launch.zero(0xC0, 0x1000, 64, 5)
+    assert calls == [("set", 0xC0), ("memset", 0xC0, (0x1000, 0, 64, 5)), ("set", 0xD1)]
+    calls.clear()
+    current["ctx"] = 0xC0
+    _launch.zero(0xC0, 0x1000, 64, 5)
+    assert calls == [("memset", 0xC0, (0x1000, 0, 64, 5))]
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["float", "double"])

@@ -668,17 +668,28 @@ def test_forward_launch_picks_its_kernel_per_call(monkeypatch):
     assert go(_conv.geometry("f", (0, 8, 128, 128), (64, 8, 3, 3)), 256) == []
 
 
-def test_no_grad_forward_keeps_its_launch_per_kind_of_call(monkeypatch):
-    """conv._no_grad_forward (fake kernels, CPU tensors, no GPU) looks its
+def test_eager_forward_keeps_its_launch_per_kind_of_call(monkeypatch):
+    """conv._kept_forward (fake kernels, CPU tensors, no GPU) looks its
     launch up once per kind of call (conv._checked's), precision, layout and
-    setting of the forward's switches; every call launches on its own
-    tensors' addresses (a strided weight's dense copy, not the view) with
-    the scalars of its slope, a zero slope with its own sign each time (0.0
-    and -0.0 are one kind of call); an empty output launches nothing."""
+    setting of the forward's switches, with or without a mask; every call
+    launches on its own tensors' addresses (a strided weight's dense copy,
+    not the view; a zeroed mask of its own where asked for) with the scalars
+    of its slope, a zero slope with its own sign each time (0.0 and -0.0 are
+    one kind of call); an empty output launches nothing."""
+    import ctypes
+
     launched = _record_launches(monkeypatch)
     kernels = _conv.ForwardKernels(_conv.ConvKernel(1, 7, None), _conv.ConvKernel(2, 7, None))
     monkeypatch.setattr(_conv, "kernel", lambda *args: kernels)
     monkeypatch.setattr(_impl, "_raw_stream", lambda dev: 5)
+    zeroed = []  # (the mask's address and bytes, launches before)
+
+    def zero(ctx, ptr, nbytes, stream):
+        assert (ctx, stream) == (7, 5)
+        zeroed.append((ptr, nbytes, len(launched)))
+        ctypes.memset(ptr, 0, nbytes)
+
+    monkeypatch.setattr(_conv._launch, "zero", zero)
     looked = []
     lookup = _conv.forward_launch
     monkeypatch.setattr(_conv, "forward_launch", lambda *a: looked.append(a) or lookup(*a))
@@ -691,16 +702,25 @@ def test_no_grad_forward_keeps_its_launch_per_kind_of_call(monkeypatch):
     g = _conv.geometry("f", x.shape, w.shape)
     c = checked(g)
 
-    def go(c, slope=0.01, tf32=True, w=w):
+    def go(c, slope=0.01, tf32=True, w=w, with_mask=False):
         launched.clear()
-        y = conv._no_grad_forward(x, w, b, c, 2.0, slope, tf32)
-        assert y.shape == c.g.out_shape
+        zeroed.clear()
+        y, mask = conv._kept_forward(x, w, b, c, 2.0, slope, tf32, with_mask)
+        assert y.shape == c.g.out_shape and (mask is not None) == with_mask
+        if with_mask:  # zeroed whole, before the launch
+            assert mask.dtype == torch.uint8 and mask.numel() == mask_nbytes(y.numel())
+            assert zeroed == [(mask.data_ptr(), mask.numel(), 0)] and not mask.any()
+            return y, [f for _, _, _, f, _ in launched], mask
+        assert zeroed == []
         return y, [f for _, _, _, f, _ in launched]
 
     for _ in range(2):
         y, (f,) = go(c)
         assert f[:5] == (x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), 0)
         assert f[28:30] == _conv._scalars(0.01, 2.0, "f")
+    for _ in range(2):  # the training forward: the same launch, a mask each call
+        y, (f,), mask = go(c, with_mask=True)
+        assert f[:5] == (x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), mask.data_ptr())
     assert len(looked) == 1
     go(c, tf32=False)
     monkeypatch.setattr(_conv, "FORWARD_SEAMS", False)
@@ -1109,6 +1129,30 @@ def test_fused_gradients_match_eager(dtype, cl, with_bias):
 
 
 @gpu
+@pytest.mark.parametrize("tf32", [False, True], ids=["fused", "fused_tf32"])
+@pytest.mark.parametrize("cl", [False, True], ids=["nchw", "nhwc"])
+def test_training_forward_zeroes_its_mask_on_poisoned_memory(tf32, cl):
+    """The eager training forward's mask (torch.empty, zeroed by one driver
+    call before the launch) and output are the custom op's (whose mask comes
+    from torch.zeros), bit for bit, where the allocator hands the mask out of
+    blocks freed full of ones."""
+    x, w, b = _xwb((3, 8, 30, 34), (16, 8, 3, 3), "cuda")
+    x = _layout(x, cl)
+    y_ref, m_ref = conv.fused_forward(x, w, b, DIVISOR, SLOPE, (1, 1), (0, 0), (1, 1), tf32, True)
+    assert m_ref.any()  # (a mask of zeros would hide a missing memset)
+    w = w.requires_grad_()
+    for _ in range(3):
+        junk = [torch.full_like(m_ref, 255) for _ in range(16)]
+        del junk  # (freed: the mask's allocation reuses one of these blocks)
+        y = ct.conv2d_div_leaky_relu(
+            x, w, b, DIVISOR, SLOPE, algorithm="fused_tf32" if tf32 else "fused"
+        )
+        _, _, mask = y.grad_fn.saved_tensors
+        assert torch.equal(mask, m_ref)
+        testing.assert_bits_equal(y, y_ref)
+
+
+@gpu
 def test_fused_input_without_grad_skips_the_input_gradient():
     x, w, b = _xwb((2, 3, 9, 11), (5, 3, 3, 3), "cuda")
     w.requires_grad_()
@@ -1397,6 +1441,10 @@ def test_conv_bench_script(tmp_path):
         assert all(0 < r[f"{key}_gpu_ms"] < 4.0 for r in out["rows"]), key
     assert sorted(out["floors"]) == ["function backward", "function forward", "launch"]
     assert all(0 < v < 1.0 for v in out["floors"].values())
+    (auto,) = [r for r in out["rows"] if r["impl"] == "auto"]
+    for key in ("forward", "fwd_bwd"):  # auto's pick timed again: the comparison's control
+        assert auto[f"{key}_pick"] in ("exact", "fused") and auto[f"{key}_il_again_ms"] > 0
+    assert sum("its pick against itself" in t[0] for t in out["targets"]) == 2
     text = (tmp_path / "c.md").read_text()
     assert "| 16to32 | fused |" in text and "| function backward |" in text
 

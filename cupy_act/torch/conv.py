@@ -111,20 +111,20 @@ def _operands(x: Tensor, weight: Tensor, bias, g):
     return x, w, b, y, cl
 
 
-class _NoGrad(NamedTuple):
-    """The no-grad forward's launch for one kind of call and layout (kept in
-    its ``_Checked``): the prepared launch (None: an empty output), the
-    device, and the kernel's scalars (None: worked out per call, see
-    ``_no_grad_forward``)."""
+class _Kept(NamedTuple):
+    """The eager forward's launch for one kind of call and layout (kept in its
+    ``_Checked``): the prepared launch (None: an empty output) and the
+    device. The scalars are not part of it: a zero slope's sign is not part
+    of the kind of call, and ``_conv._scalars`` keeps the others."""
 
     run: object
     dev: int
-    scalars: tuple[float, float] | None
 
 
-def _no_grad_forward(x: Tensor, weight: Tensor, bias, c, divisor, slope, tf32) -> Tensor:
-    """``_forward`` without a mask, with what it looks up per call kept in
-    ``c.launches`` (per precision, layout and the forward's switches)."""
+def _kept_forward(x: Tensor, weight: Tensor, bias, c, divisor, slope, tf32, with_mask):
+    """``_forward`` with what it looks up per call kept in ``c.launches`` (per
+    precision, layout and the forward's switches): (y, mask), the mask None
+    without ``with_mask``."""
     x, w, b, y, cl = _operands(x, weight, bias, c.g)
     key = (tf32, cl, _conv.FORWARD_TMAP, _conv.FORWARD_SEAMS)
     k = c.launches.get(key)
@@ -135,22 +135,25 @@ def _no_grad_forward(x: Tensor, weight: Tensor, bias, c, divisor, slope, tf32) -
             run = _conv.forward_launch(
                 dev, _impl.DTYPE_NAMES[x.dtype], "tf32" if tf32 else "fp32", cl, g
             )
-        # (not for a zero slope: 0.0 and -0.0 share c, but not their bits)
-        scalars = _conv._scalars(slope, divisor, FNAME) if slope != 0 else None
-        k = c.launches[key] = _NoGrad(run, dev, scalars)
+        k = c.launches[key] = _Kept(run, dev)
+    mask, nbytes = None, 0
+    if with_mask:  # (zeroed by the launch, one driver call: the kernel ORs words in)
+        nbytes = mask_nbytes(y.numel())
+        mask = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     if k.run is not None:
-        sl, sc = k.scalars or _conv._scalars(slope, divisor, FNAME)
+        sl, sc = _conv._scalars(slope, divisor, FNAME)
         k.run(
             _impl._raw_stream(k.dev),
             x.data_ptr(),
             w.data_ptr(),
             0 if b is None else b.data_ptr(),
             y.data_ptr(),
-            0,
+            0 if mask is None else mask.data_ptr(),
             sl,
             sc,
+            nbytes,
         )
-    return y
+    return y, mask
 
 
 @torch.library.custom_op("cupy_act::conv2d_div_leaky_relu", mutates_args=())
@@ -354,18 +357,37 @@ class _FusedEager(torch.autograd.Function):
     forward and 50 per backward (H200 host, ``scripts/overhead.py --conv``).
     torch.compile, torch.func transforms and forward-mode AD take fused_op.
     The backward is not differentiable again (fused_op's is not either).
-    ``g``: the geometry, worked out by the caller's checks."""
+    ``c``: the call's ``_checked`` (geometry, hyper-parameters, kept launches)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, divisor, slope, stride, padding, dilation, tf32, g):
-        y, mask = _forward(x, weight, bias, g, divisor, slope, tf32, True)
-        _save(ctx, x, weight, bias, mask, slope, divisor, stride, padding, dilation, tf32, g)
+    def forward(ctx, x, weight, bias, divisor, slope, tf32, c):
+        y, mask = _kept_forward(x, weight, bias, c, divisor, slope, tf32, True)
+        stride, padding, dilation = c.spd
+        _save(ctx, x, weight, bias, mask, slope, divisor, stride, padding, dilation, tf32, c.g)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, gy):
-        return *_grads(ctx, gy, True), *(None,) * 7
+        return *_grads(ctx, gy, True), *(None,) * 4
+
+
+# Function.apply's Python wrapper binds no arguments here (no setup_context)
+# and, outside functorch transforms (which take fused_op), only unwraps dead
+# functorch wrappers before the C++ apply: that, inline, on the three tensors
+# (about 2 us less per forward; functional.py does the same for the
+# activations). Without the private API, the public apply.
+try:
+    _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+    _fused_eager_apply = super(torch.autograd.Function, _FusedEager).apply
+
+    def _train(x, weight, bias, divisor, slope, tf32, c) -> Tensor:
+        b = None if bias is None else _unwrap_if_dead(bias)
+        return _fused_eager_apply(
+            _unwrap_if_dead(x), _unwrap_if_dead(weight), b, divisor, slope, tf32, c
+        )
+except AttributeError:  # pragma: no cover - depends on the torch version
+    _train = _FusedEager.apply
 
 
 _routes: dict[tuple, tuple[bool, bool]] = {}
@@ -514,7 +536,7 @@ class _Checked(NamedTuple):
     fusable: tuple[bool, ...]  # whether the fused kernel runs it: FP32 (three passes), TF32
     spd: tuple  # stride, padding and dilation as pairs, where it does
     g: object  # the geometry (_conv.Geometry), where it does
-    launches: dict  # the no-grad forward's, as they are first made (_no_grad_forward)
+    launches: dict  # the eager forward's, as they are first made (_kept_forward)
     choices: dict  # "auto"'s, as _choose finds them
 
 
@@ -620,12 +642,11 @@ def conv2d_div_leaky_relu(
         divisor, negative_slope = float(divisor), float(negative_slope)
         compiling = torch.compiler.is_compiling()
         if needs_grad and not (compiling or F._functorch_active() or F._forward_ad_active()):
-            args = (input, weight, bias, divisor, negative_slope, *c.spd, tf32)
-            return _FusedEager.apply(*args, c.g)
+            return _train(input, weight, bias, divisor, negative_slope, tf32, c)
         if needs_grad or compiling:
             spd = [list(v) for v in c.spd]
             return fused_op(input, weight, bias, divisor, negative_slope, *spd, tf32, needs_grad)[0]
-        return _no_grad_forward(input, weight, bias, c, divisor, negative_slope, tf32)
+        return _kept_forward(input, weight, bias, c, divisor, negative_slope, tf32, False)[0]
     cl = algorithm == "channels_last"
     return _unfused(input, weight, bias, divisor, negative_slope, stride, padding, dilation, cl)
 
