@@ -541,6 +541,7 @@ def conv_nograd_rows(calls: int, repeats: int) -> None:
     ptrs = (x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), 0)
     run = _conv.forward_launch(dev, "float32", "tf32", False, g)
     c1 = conv._checked(x, w, b, 2.0, 0.01, 1, 0, 1, "fused_tf32")
+    no_grad = (2.0, 0.01, True, False)  # divisor, slope, TF32, no mask
     slope, scale = _conv._scalars(0.01, 2.0, "overhead")
     empty = cupy.RawKernel('extern "C" __global__ void f(float* p) {}', "f").kernel
     ctx = run.main.ctx
@@ -553,7 +554,7 @@ def conv_nograd_rows(calls: int, repeats: int) -> None:
             x, w, b, 2.0, 0.01, algorithm="fused_tf32"
         ),
         "_checked": lambda: conv._checked(x, w, b, 2.0, 0.01, 1, 0, 1, "fused_tf32"),
-        "_kept_forward": lambda: conv._kept_forward(x, w, b, c1, 2.0, 0.01, True, False),
+        "_kept_forward": lambda: conv._kept_forward(x, w, b, c1.g, c1.launches, *no_grad),
         "torch.empty (y)": lambda: torch.empty(g.out_shape, dtype=x.dtype, device=x.device),
         "_conv.launch": lambda: _conv.launch(
             dev, "float32", "tf32", False, g, stream, *ptrs, 0.01, 2.0, "overhead"
@@ -591,7 +592,7 @@ def conv_nograd_rows(calls: int, repeats: int) -> None:
         "seed forward": lambda: ct.conv2d_div_leaky_relu(
             xs, w, b, 2.0, 0.01, algorithm="fused_tf32"
         ),
-        "  its _kept_forward": lambda: conv._kept_forward(xs, w, b, cs, 2.0, 0.01, True, False),
+        "  its _kept_forward": lambda: conv._kept_forward(xs, w, b, cs.g, cs.launches, *no_grad),
         "  its prepared launch": lambda: seed_run(stream, *seed_ptrs, slope, scale),
     }
     # torch.neg also after the GPU worked as long as the seed's kernel, the
@@ -644,7 +645,7 @@ def conv_nograd_steps(samples: int = 200) -> None:
             t.append(clock())
             k = c.launches.get((True, cl, _conv.FORWARD_TMAP, _conv.FORWARD_SEAMS))
             if k is None:
-                conv._kept_forward(x, w, b, c, divisor, slope, True, False)
+                conv._kept_forward(x, w, b, c.g, c.launches, divisor, slope, True, False)
                 k = c.launches[(True, cl, _conv.FORWARD_TMAP, _conv.FORWARD_SEAMS)]
             sl, sc = _conv._scalars(slope, divisor, conv.FNAME)
             t.append(clock())
@@ -677,15 +678,22 @@ def _seed_block():
 class _FusedBefore(torch.autograd.Function):
     """The fused training forward as the twenty-ninth session left it (for
     ``conv_train_shots``): through Function.apply's Python wrapper, the mask
-    by ``torch.zeros`` and the launch looked up per call (``_conv.launch``,
-    which ``conv._forward`` still calls for the custom op); the same
-    backward."""
+    by ``torch.zeros`` and the launch looked up per call (``_conv.launch``);
+    the same backward."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, divisor, slope, tf32, c):
-        from cupy_act.torch import conv
+        from cupy_act import _conv, mask_nbytes
+        from cupy_act.torch import _impl, conv
 
-        y, mask = conv._forward(x, weight, bias, c.g, divisor, slope, tf32, True)
+        x, w, b, y, cl = conv._operands(x, weight, bias, c.g)
+        mask = torch.zeros(mask_nbytes(y.numel()), dtype=torch.uint8, device=x.device)
+        dev = x.get_device()
+        ptrs = (x.data_ptr(), w.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr())
+        precision = "tf32" if tf32 else "fp32"
+        stream = _impl._raw_stream(dev)
+        args = (*ptrs, mask.data_ptr(), slope, divisor, conv.FNAME)
+        _conv.launch(dev, _impl.DTYPE_NAMES[x.dtype], precision, cl, c.g, stream, *args)
         stride, padding, dilation = c.spd
         conv._save(ctx, x, weight, bias, mask, slope, divisor, stride, padding, dilation, tf32, c.g)
         return y

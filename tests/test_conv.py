@@ -705,7 +705,7 @@ def test_eager_forward_keeps_its_launch_per_kind_of_call(monkeypatch):
     def go(c, slope=0.01, tf32=True, w=w, with_mask=False):
         launched.clear()
         zeroed.clear()
-        y, mask = conv._kept_forward(x, w, b, c, 2.0, slope, tf32, with_mask)
+        y, mask = conv._kept_forward(x, w, b, c.g, c.launches, 2.0, slope, tf32, with_mask)
         assert y.shape == c.g.out_shape and (mask is not None) == with_mask
         if with_mask:  # zeroed whole, before the launch
             assert mask.dtype == torch.uint8 and mask.numel() == mask_nbytes(y.numel())
@@ -1132,24 +1132,36 @@ def test_fused_gradients_match_eager(dtype, cl, with_bias):
 @pytest.mark.parametrize("tf32", [False, True], ids=["fused", "fused_tf32"])
 @pytest.mark.parametrize("cl", [False, True], ids=["nchw", "nhwc"])
 def test_training_forward_zeroes_its_mask_on_poisoned_memory(tf32, cl):
-    """The eager training forward's mask (torch.empty, zeroed by one driver
-    call before the launch) and output are the custom op's (whose mask comes
-    from torch.zeros), bit for bit, where the allocator hands the mask out of
-    blocks freed full of ones."""
+    """The eager training forward's and the custom op's mask (torch.empty,
+    zeroed by one driver call before the launch) and output are those of the
+    launch into a mask from torch.zeros, bit for bit, where the allocator
+    hands the mask out of blocks freed full of ones."""
     x, w, b = _xwb((3, 8, 30, 34), (16, 8, 3, 3), "cuda")
     x = _layout(x, cl)
-    y_ref, m_ref = conv.fused_forward(x, w, b, DIVISOR, SLOPE, (1, 1), (0, 0), (1, 1), tf32, True)
+    g = _conv.geometry("f", x.shape, w.shape)
+    fmt = torch.channels_last if cl else torch.contiguous_format
+    y_ref = torch.empty(g.out_shape, device="cuda", memory_format=fmt)
+    m_ref = torch.zeros(mask_nbytes(y_ref.numel()), dtype=torch.uint8, device="cuda")
+    ptrs = (x.data_ptr(), w.data_ptr(), b.data_ptr(), y_ref.data_ptr(), m_ref.data_ptr())
+    stream = torch.cuda.current_stream().cuda_stream
+    precision = "tf32" if tf32 else "fp32"
+    _conv.launch(0, "float32", precision, cl, g, stream, *ptrs, SLOPE, DIVISOR, "f")
     assert m_ref.any()  # (a mask of zeros would hide a missing memset)
     w = w.requires_grad_()
     for _ in range(3):
-        junk = [torch.full_like(m_ref, 255) for _ in range(16)]
-        del junk  # (freed: the mask's allocation reuses one of these blocks)
-        y = ct.conv2d_div_leaky_relu(
-            x, w, b, DIVISOR, SLOPE, algorithm="fused_tf32" if tf32 else "fused"
-        )
-        _, _, mask = y.grad_fn.saved_tensors
-        assert torch.equal(mask, m_ref)
-        testing.assert_bits_equal(y, y_ref)
+        for path in ("training", "custom op"):
+            junk = [torch.full_like(m_ref, 255) for _ in range(16)]
+            del junk  # (freed: the mask's allocation reuses one of these blocks)
+            if path == "training":
+                y = ct.conv2d_div_leaky_relu(
+                    x, w, b, DIVISOR, SLOPE, algorithm="fused_tf32" if tf32 else "fused"
+                )
+                _, _, mask = y.grad_fn.saved_tensors
+            else:
+                spd = ((1, 1), (0, 0), (1, 1))
+                y, mask = conv.fused_forward(x, w, b, DIVISOR, SLOPE, *spd, tf32, True)
+            assert torch.equal(mask, m_ref), path
+            testing.assert_bits_equal(y, y_ref, path)
 
 
 @gpu

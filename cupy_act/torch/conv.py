@@ -61,35 +61,9 @@ def fused_forward(
     the mask in that memory order), else NCHW.
     """
     g = _conv.geometry(FNAME, x.shape, weight.shape, stride, padding, dilation)
-    y, mask = _forward(x, weight, bias, g, divisor, slope, tf32, with_mask)
+    # (no kind of call to keep the launch in: looked up per call)
+    y, mask = _kept_forward(x, weight, bias, g, {}, divisor, slope, tf32, with_mask)
     return y, x.new_empty(0, dtype=torch.uint8) if mask is None else mask
-
-
-def _forward(x: Tensor, weight: Tensor, bias, g, divisor, slope, tf32, with_mask):
-    """fused_forward on a worked-out geometry ``g``; the mask None without
-    ``with_mask``."""
-    x, w, b, y, cl = _operands(x, weight, bias, g)
-    mask = None
-    if with_mask:
-        mask = torch.zeros(mask_nbytes(y.numel()), dtype=torch.uint8, device=x.device)
-    dev = x.get_device()
-    _conv.launch(
-        dev,
-        _impl.DTYPE_NAMES[x.dtype],
-        "tf32" if tf32 else "fp32",
-        cl,
-        g,
-        _impl._raw_stream(dev),
-        x.data_ptr(),
-        w.data_ptr(),
-        0 if b is None else b.data_ptr(),
-        y.data_ptr(),
-        0 if mask is None else mask.data_ptr(),
-        slope,
-        divisor,
-        FNAME,
-    )
-    return y, mask
 
 
 def _operands(x: Tensor, weight: Tensor, bias, g):
@@ -117,25 +91,26 @@ class _Kept(NamedTuple):
     device. The scalars are not part of it: a zero slope's sign is not part
     of the kind of call, and ``_conv._scalars`` keeps the others."""
 
-    run: object
+    run: _conv.ForwardLaunch | None
     dev: int
 
 
-def _kept_forward(x: Tensor, weight: Tensor, bias, c, divisor, slope, tf32, with_mask):
-    """``_forward`` with what it looks up per call kept in ``c.launches`` (per
-    precision, layout and the forward's switches): (y, mask), the mask None
-    without ``with_mask``."""
-    x, w, b, y, cl = _operands(x, weight, bias, c.g)
+def _kept_forward(x: Tensor, weight: Tensor, bias, g, launches, divisor, slope, tf32, with_mask):
+    """(y, mask) from the fused kernel on a worked-out geometry ``g``, the mask
+    None without ``with_mask``; the prepared launch kept in ``launches`` (a
+    kind of call's ``_Checked.launches``) per precision, layout and the
+    forward's switches."""
+    x, w, b, y, cl = _operands(x, weight, bias, g)
     key = (tf32, cl, _conv.FORWARD_TMAP, _conv.FORWARD_SEAMS)
-    k = c.launches.get(key)
+    k = launches.get(key)
     if k is None:
-        dev, g = x.get_device(), c.g
+        dev = x.get_device()
         run = None
         if g.n * g.oh * g.ow:
             run = _conv.forward_launch(
                 dev, _impl.DTYPE_NAMES[x.dtype], "tf32" if tf32 else "fp32", cl, g
             )
-        k = c.launches[key] = _Kept(run, dev)
+        k = launches[key] = _Kept(run, dev)
     mask, nbytes = None, 0
     if with_mask:  # (zeroed by the launch, one driver call: the kernel ORs words in)
         nbytes = mask_nbytes(y.numel())
@@ -361,7 +336,7 @@ class _FusedEager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, divisor, slope, tf32, c):
-        y, mask = _kept_forward(x, weight, bias, c, divisor, slope, tf32, True)
+        y, mask = _kept_forward(x, weight, bias, c.g, c.launches, divisor, slope, tf32, True)
         stride, padding, dilation = c.spd
         _save(ctx, x, weight, bias, mask, slope, divisor, stride, padding, dilation, tf32, c.g)
         return y
@@ -646,7 +621,9 @@ def conv2d_div_leaky_relu(
         if needs_grad or compiling:
             spd = [list(v) for v in c.spd]
             return fused_op(input, weight, bias, divisor, negative_slope, *spd, tf32, needs_grad)[0]
-        return _kept_forward(input, weight, bias, c, divisor, negative_slope, tf32, False)[0]
+        return _kept_forward(
+            input, weight, bias, c.g, c.launches, divisor, negative_slope, tf32, False
+        )[0]
     cl = algorithm == "channels_last"
     return _unfused(input, weight, bias, divisor, negative_slope, stride, padding, dilation, cl)
 
