@@ -179,6 +179,7 @@ class Pass(NamedTuple):
     launches: tuple  # ((ptr, ctx, grid), ...) in order
     counts: tuple  # (n, inner, channels, splits), then (1 / inner, 1 / channels)
     inverses: tuple
+    need: Buffers  # bytes the kernels may index from each Buffers address (see run)
 
 
 # The kernels of each pass, by channels_last: NCHW reductions finish their channels.
@@ -209,11 +210,43 @@ def prepare(s: Shape, pointers: int, which: str) -> Pass:
     doubles = head + s.channels * (2 * p.splits + 2)
     counts = (s.n, s.inner, s.channels, p.splits)
     inverses = (1.0 / s.inner, 1.0 / s.channels)
-    found = Pass(s, p, doubles, work, work + 16 * s.channels * p.splits, launches, counts, inverses)
+    coef = work + 16 * s.channels * p.splits
+    need = _need(s, p, which)
+    found = Pass(s, p, doubles, work, coef, launches, counts, inverses, need)
     if len(_passes) > 4096:  # (shapes that keep changing: start over)
         _passes.clear()
     _passes[(s, aligned, which)] = found
     return found
+
+
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _need(s: Shape, p: Plan, which: str) -> Buffers:
+    """Bytes the pass's kernels may read or write from each Buffers address
+    (0: not indexed): x, y (and dy in a backward) hold n elements, the mask
+    one bit per element in 32-bit words, every per-channel array C floats,
+    the partial sums C x splits pairs of doubles, coef a float4 per channel."""
+    data = s.n * ITEMSIZE[s.dtype]
+    c4 = 4 * s.channels
+    backward = which.startswith("backward")
+    return Buffers(
+        x=data, dy=data if backward else 0, y=data, mask=4 * (-(-s.n // 32)), weight=c4,
+        bias=c4, mean=c4, invstd=c4, partial=0 if which == "eval" else 16 * s.channels * p.splits,
+        running_mean=c4, running_var=c4, grad_weight=c4, grad_bias=c4, coef=16 * s.channels,
+        num_batches=8, arrivals=c4,
+    )  # fmt: skip
+
+
+def _refuse(ps: Pass, b: Buffers, have: tuple) -> None:
+    short = [
+        f"{name} has {got} bytes, needs {need}"
+        for name, ptr, got, need in zip(Buffers._fields, b, have, ps.need)
+        if ptr and got < need
+    ]
+    raise _launch.SizeMismatch(
+        f"cupy_act batchnorm launch refused ({ps.shape}): {'; '.join(short)}"
+    )
 
 
 def _launch_of(s: Shape, p: Plan, kernel: str) -> tuple:
@@ -246,15 +279,21 @@ def _launch_of(s: Shape, p: Plan, kernel: str) -> tuple:
     return k.ptr, k.ctx, grid
 
 
-def run(ps: Pass, stream: int, b: Buffers, momentum: float, eps: float, slope: float,
-        flags: int) -> None:  # fmt: skip
+def run(ps: Pass, stream: int, b: Buffers, have: tuple, momentum: float, eps: float,
+        slope: float, flags: int) -> None:  # fmt: skip
     """The pass's kernels in order on ``stream``, on one parameter block (each
-    launch copies it). Forward: y (and the mask, where b.mask) from the batch
+    launch copies it). ``have``: the bytes each address of ``b`` has to the
+    end of its buffer; a launch that would index past one is refused
+    (``SizeMismatch``: integer compares, the entry points check first).
+    Forward: y (and the mask, where b.mask) from the batch
     statistics, updating the running statistics where b.running_mean ("eval":
     from the running statistics); b.mean, b.invstd, b.coef receive those used;
     b.y may be b.x (in place). Backward: weight and bias gradients (where
     given), then dx into b.y; FROM_OUTPUT: b.x holds the forward's output (the
     in-place mode); EVAL: the forward normalized with the running statistics."""
+    for ptr, got, need in zip(b, have, ps.need):
+        if ptr and got < need:
+            _refuse(ps, b, have)
     _PARAMS.pack_into(_scratch.buf, 0, *b, *ps.counts, momentum, eps, *ps.inverses, slope, flags)
     _launch.run_all(ps.launches, THREADS, stream, _scratch.argv_ptr)
 

@@ -232,6 +232,38 @@ def _geometry(fname: str, x_shape, w_shape, stride, padding, dilation) -> Geomet
     return Geometry(n, cin, h, w, cout, kh, kw, s, p, d, oh, ow)
 
 
+class Extents(NamedTuple):
+    """Bytes the kernels of one geometry may index from each address: x, the
+    weight (and its gradient), the bias (and its gradient), y (and dy), and
+    the mask, whose bits cover y's elements in 32-bit words."""
+
+    x: int
+    w: int
+    bias: int
+    y: int
+    mask: int
+
+
+def extents(g: Geometry, dtype: str) -> Extents:
+    """The ``Extents`` of geometry ``g`` in ``dtype``."""
+    item = ITEMSIZE[dtype]
+    outputs = g.n * g.cout * g.oh * g.ow
+    return Extents(
+        g.n * g.cin * g.h * g.w * item, g.cout * g.cin * g.kh * g.kw * item, g.cout * item,
+        outputs * item, 4 * -(-outputs // 32),
+    )  # fmt: skip
+
+
+def check_extents(what: str, g: Geometry, named) -> None:
+    """The launchers' second line of defence: ``_launch.SizeMismatch`` where an
+    address of ``named`` ((name, address, bytes it has, bytes the kernel may
+    index), ...) is not 0 and has fewer bytes than the kernel would index."""
+    short = [f"{name} has {have} bytes, needs {need}" for name, ptr, have, need in named
+             if ptr and have < need]  # fmt: skip
+    if short:
+        raise _launch.SizeMismatch(f"cupy_act {what} launch refused ({g}): {'; '.join(short)}")
+
+
 def fits(g: Geometry, n_passes: int) -> bool:
     """Whether the kernel applies: 32-bit offsets within one image and filter,
     and a tiling whose shared memory the device allows (else PyTorch's path)."""
@@ -681,17 +713,20 @@ def launch(
     negative_slope,
     divisor,
     fname: str,
+    *,
+    have: tuple,
 ) -> None:
     """y = leaky_relu((conv2d(x, w) + bias) / divisor); the mask too if ``mask``.
 
     Pointers are raw device addresses of dense arrays: x and y NCHW or NHWC
     (``channels_last``), w always OIHW; the mask buffer must be zeroed.
+    ``have``: the bytes of x, w, bias, y and the mask (``ForwardLaunch``).
     """
     slope, scale = _scalars(negative_slope, divisor, fname)
     if g.n * g.oh * g.ow == 0:
         return
     run = forward_launch(device, dtype, precision, channels_last, g)
-    run(stream, x, w, bias, y, mask, slope, scale)
+    run(stream, x, w, bias, y, mask, slope, scale, have=have)
 
 
 # ---- prepared launches: worked out once per shape, addresses filled in per call ----
@@ -750,10 +785,21 @@ class ForwardLaunch(NamedTuple):
     main: Prepared
     tmap: Prepared | None
     x_map: _tensormap.TiledMap | None
+    g: Geometry
+    need: Extents
 
-    def __call__(self, stream: int, x, w, bias, y, mask, slope, scale, zero_bytes=0) -> None:
+    def __call__(
+        self, stream: int, x, w, bias, y, mask, slope, scale, zero_bytes=0, *, have: tuple
+    ) -> None:
         """Launch on raw addresses with the op-type scalars (``_scalars``);
-        ``zero_bytes``: the mask's bytes to zero first (0: zeroed by the caller)."""
+        ``zero_bytes``: the mask's bytes to zero first (0: zeroed by the
+        caller); ``have``: the bytes of x, w, bias, y and the mask, each
+        compared with what the kernel indexes (``check_extents``)."""
+        n = self.need
+        check_extents("forward", self.g, (
+            ("x", x, have[0], n.x), ("weight", w, have[1], n.w), ("bias", bias, have[2], n.bias),
+            ("y", y, have[3], n.y), ("mask", mask, have[4], max(n.mask, zero_bytes)),
+        ))  # fmt: skip
         if zero_bytes:
             _launch.zero(self.main.ctx, mask, zero_bytes, stream)
         if self.tmap is not None and self.x_map is not None and x % 16 == 0:
@@ -822,7 +868,7 @@ def forward_launch(
     # forward_tmap's rule, but for x's alignment (checked per call)
     if ks.tmap is not None and forward_tmap(g, tl, n_passes, itemsize, 0, sm):
         tmap, x_map = prepared(ks.tmap), _x_map(g, tl, itemsize)
-    run = ForwardLaunch(prepared(ks.main), tmap, x_map)
+    run = ForwardLaunch(prepared(ks.main), tmap, x_map, g, extents(g, dtype))
     if len(_forward_launches) >= 256:
         _forward_launches.clear()
     _forward_launches[key] = run
@@ -1051,9 +1097,19 @@ class WgradLaunch(NamedTuple):
     copies: Prepared | None
     tmap: Prepared | None
     finish: tuple[Prepared, Prepared]
+    g: Geometry
+    need: Extents
 
-    def __call__(self, stream: int, x, dy, mask, gw, gb, part, slope, scale) -> None:
-        """Launch on raw addresses with the op-type scalars (``_scalars``)."""
+    def __call__(self, stream: int, x, dy, mask, gw, gb, part, slope, scale, *, have) -> None:
+        """Launch on raw addresses with the op-type scalars (``_scalars``);
+        ``have``: the bytes of x, dy, the mask, gw, gb and part, each
+        compared with what the kernels index (``check_extents``)."""
+        n = self.need
+        check_extents("weight-gradient", self.g, (
+            ("x", x, have[0], n.x), ("dy", dy, have[1], n.y), ("mask", mask, have[2], n.mask),
+            ("gw", gw, have[3], n.w), ("gb", gb, have[4], n.bias),
+            ("part", part, have[5], 4 * self.plan.part_floats),
+        ))  # fmt: skip
         k, desc = self.loads, None
         if self.copies is not None and dy % 16 == 0 and mask % 16 == 0:
             k = self.copies
@@ -1146,7 +1202,7 @@ def wgrad_launch(
                   FINISH_THREADS)
         for b in (0, 1)
     )  # fmt: skip
-    run = WgradLaunch(plan, loads, copies, tmap, finish)  # type: ignore[arg-type]
+    run = WgradLaunch(plan, loads, copies, tmap, finish, g, extents(g, dtype))  # type: ignore[arg-type]
     _wgrad_plans[key] = run
     return run
 
@@ -1169,14 +1225,17 @@ def launch_wgrad(
     negative_slope,
     divisor,
     fname: str,
+    *,
+    have: tuple,
 ) -> None:
     """gw (and gb if ``gb``) of ``leaky_relu((conv2d(x, w) + bias) / divisor)``
     from dy and the forward's mask: x, dy and the mask dense in one layout
     (NCHW or NHWC, the mask in dy's memory order), gw OIHW, ``part`` a float32
     buffer of ``run.plan.part_floats`` (``run`` this geometry's
-    ``wgrad_launch``). Every element of gw and gb is written."""
+    ``wgrad_launch``); ``have`` the bytes of each (``WgradLaunch``). Every
+    element of gw and gb is written."""
     slope, scale = _scalars(negative_slope, divisor, fname)
-    run(stream, x, dy, mask, gw, gb, part, slope, scale)
+    run(stream, x, dy, mask, gw, gb, part, slope, scale, have=have)
 
 
 # ---- the input gradient (conv2d_dgrad.cu) ----
@@ -1259,12 +1318,20 @@ def launch_dgrad(
     negative_slope,
     divisor,
     fname: str,
+    *,
+    have: tuple,
 ) -> None:
     """dx of ``leaky_relu((conv2d(x, w) + bias) / divisor)`` from dy and the
     forward's mask (dy and dx dense in one layout, NCHW or NHWC, the mask in
     dy's memory order; w OIHW). Every element of dx is written. The caller
-    checked ``dgrad_fits``."""
+    checked ``dgrad_fits``. ``have``: the bytes of dy, the mask, w and dx,
+    each compared with what the kernel indexes (``check_extents``)."""
     slope, scale = _scalars(negative_slope, divisor, fname)
+    n = extents(g, dtype)
+    check_extents("input-gradient", g, (
+        ("dy", dy, have[0], n.y), ("mask", mask, have[1], n.mask), ("weight", w, have[2], n.w),
+        ("dx", dx, have[3], n.x),
+    ))  # fmt: skip
     run = dgrad_launch(device, dtype, precision, channels_last, g)
     if run is not None:
         k = run.staged if run.staged is not None and dy % run.pair_bytes == 0 else run.loads

@@ -149,6 +149,46 @@ class Launch:
         else:
             run(ptr, ctx, (blocks, 1), threads, stream, argv)
 
+    def checked(
+        self,
+        have: tuple[int, int, int, int],
+        stream: int,
+        n: int,
+        x: int,
+        y: int,
+        mask: int = 0,
+        mask_words: int = 0,
+        bias: int = 0,
+        inner: int = 1,
+        channels: int = 1,
+    ) -> None:
+        """The call, after comparing the sizes it passes with the arrays'
+        own: ``have`` = (elements of x, elements of y, bytes of the mask,
+        elements of the bias). The kernel indexes n elements of x and y, n
+        bits of the mask (mask_words words where it writes them) and
+        ``channels`` biases, element i's at (i / inner) % channels. An
+        entry point that missed a check gets ``SizeMismatch``, not a launch."""
+        xs, ys, mask_bytes, biases = have
+        short = []
+        if xs < n or ys < n:
+            short.append(f"x has {xs} and y {ys} elements, the launch covers n={n}")
+        if mask and (8 * mask_bytes < n or 4 * mask_words > mask_bytes):
+            short.append(f"the mask has {mask_bytes} bytes, the launch needs {-(-n // 8)} "
+                         f"(and writes {4 * mask_words})")  # fmt: skip
+        if bias and (biases < channels or inner < 1 or n % (inner * channels)):
+            short.append(f"the bias has {biases} elements; channels={channels}, inner={inner}, "
+                         f"n={n}")  # fmt: skip
+        if short:
+            raise SizeMismatch(f"cupy_act elementwise launch refused: {'; '.join(short)}")
+        self(stream, n, x, y, mask, mask_words, bias, inner, channels)
+
+
+class SizeMismatch(RuntimeError):
+    """A launch refused by a launcher's own size checks: an array smaller than
+    what the kernel would index. Every entry point checks its arguments
+    first and raises its own error; this is the second line, for one that
+    missed a check."""
+
 
 def run(
     ptr: int, ctx: int, grid: tuple[int, int], threads: int, stream: int, argv: int, smem: int = 0

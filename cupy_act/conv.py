@@ -110,5 +110,12 @@ def conv2d_div_leaky_relu(
             negative_slope,
             divisor,
             fname,
+            have=(
+                x.nbytes,
+                w.nbytes,
+                0 if bias is None else b.nbytes,
+                y_mem.nbytes,
+                0 if mask is None else mask.nbytes,
+            ),  # fmt: skip
         )
     return (y, mask) if with_mask else y

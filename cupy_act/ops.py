@@ -69,7 +69,7 @@ def _launch_on(fname, kind, src, out, mask, bias, launch):
     x = src if c_contiguous(src) else cupy.ascontiguousarray(src)  # masks: C order
     n = x.size
     inner = channels = 1
-    bias_ptr = 0
+    bias_ptr = biases = 0
     if bias is not None:
         if x.ndim < 2:
             raise ValueError(
@@ -78,7 +78,7 @@ def _launch_on(fname, kind, src, out, mask, bias, launch):
         b = as_device_array(bias, "bias", fname)
         check_like(b, "bias", x, fname, shape=(x.shape[1],))
         b = cupy.ascontiguousarray(b)
-        bias_ptr, channels, inner = b.data.ptr, x.shape[1], math.prod(x.shape[2:])
+        bias_ptr, biases, channels, inner = b.data.ptr, b.size, x.shape[1], math.prod(x.shape[2:])
     if kind == "backward" or mask is not None:
         mask = check_mask(mask, n, x, fname)
     elif kind == "forward_mask":
@@ -94,7 +94,8 @@ def _launch_on(fname, kind, src, out, mask, bias, launch):
         direct = o == p or o >= p + nb or p >= o + nb
     y = out if direct else cupy.ndarray(x.shape, x.dtype)  # (cupy.empty, one frame less)
     if n:
-        launch(
+        launch.checked(
+            (n, y.size, 0 if mask is None else mask.size, biases),
             _current_stream().ptr,
             n,
             x.data.ptr,

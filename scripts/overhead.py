@@ -557,10 +557,10 @@ def conv_nograd_rows(calls: int, repeats: int) -> None:
         "_kept_forward": lambda: conv._kept_forward(x, w, b, c1.g, c1.launches, *no_grad),
         "torch.empty (y)": lambda: torch.empty(g.out_shape, dtype=x.dtype, device=x.device),
         "_conv.launch": lambda: _conv.launch(
-            dev, "float32", "tf32", False, g, stream, *ptrs, 0.01, 2.0, "overhead"
+            dev, "float32", "tf32", False, g, stream, *ptrs, 0.01, 2.0, "overhead", have=run.need
         ),
         "forward_launch (lookup)": lambda: _conv.forward_launch(dev, "float32", "tf32", False, g),
-        "prepared launch": lambda: run(stream, *ptrs, slope, scale),
+        "prepared launch": lambda: run(stream, *ptrs, slope, scale, have=run.need),
         "  its fill": lambda: run.tmap.fill(*ptrs, slope, scale),
         "  its x map": lambda: run.x_map.at(ptrs[0]),
         "  the kernel without map": lambda: run.main.fire(
@@ -652,7 +652,7 @@ def conv_nograd_steps(samples: int = 200) -> None:
             stream = _impl._raw_stream(k.dev)
             p = (xd.data_ptr(), wd.data_ptr(), bd.data_ptr(), y.data_ptr(), 0)
             t.append(clock())
-            k.run(stream, *p, sl, sc)
+            k.run(stream, *p, sl, sc, have=k.run.need)
             t.append(clock())
             ys.append(y)
             del ys[:-1]
@@ -693,7 +693,9 @@ class _FusedBefore(torch.autograd.Function):
         precision = "tf32" if tf32 else "fp32"
         stream = _impl._raw_stream(dev)
         args = (*ptrs, mask.data_ptr(), slope, divisor, conv.FNAME)
-        _conv.launch(dev, _impl.DTYPE_NAMES[x.dtype], precision, cl, c.g, stream, *args)
+        dtype = _impl.DTYPE_NAMES[x.dtype]
+        have = _conv.extents(c.g, dtype)
+        _conv.launch(dev, dtype, precision, cl, c.g, stream, *args, have=have)
         stride, padding, dilation = c.spd
         conv._save(ctx, x, weight, bias, mask, slope, divisor, stride, padding, dilation, tf32, c.g)
         return y

@@ -272,7 +272,7 @@ def test_launch_plan(act, channels_last, monkeypatch):
         ps = _batchnorm.prepare(s, 256 | 512, which)
         assert ps.plan == p and ps.work % 16 == 0 and ps.coef % 16 == 0
         assert ps.doubles * 8 >= ps.coef + 16 * 48 and ps.work >= 8 * 48  # (mean, invstd)
-        _batchnorm.run(ps, 0, buffers, 0.1, 1e-5, 0.01, 0)
+        _batchnorm.run(ps, 0, buffers, ps.need, 0.1, 1e-5, 0.01, 0)
     names = set(_batchnorm.all_kernel_names())
     assert all(name in names for name, _ in launched), launched
     per_pass = 3 if channels_last else 2

@@ -650,7 +650,10 @@ def test_forward_launch_picks_its_kernel_per_call(monkeypatch):
 
     def go(g, x, precision="fp32"):
         launched.clear()
-        _conv.launch(0, "float32", precision, False, g, 5, x, 16, 32, 48, 64, 0.01, 2.0, "f")
+        have = _conv.extents(g, "float32")
+        _conv.launch(
+            0, "float32", precision, False, g, 5, x, 16, 32, 48, 64, 0.01, 2.0, "f", have=have
+        )
         return launched
 
     for x, ptr in ((256, 2), (264, 1)):
@@ -860,11 +863,17 @@ def test_seam_bytes_where_the_kernel_takes_them(monkeypatch):
     kernels = _conv.ForwardKernels(_conv.ConvKernel(1, 7, None), _conv.ConvKernel(2, 7, None))
     monkeypatch.setattr(_conv, "kernel", lambda *args: kernels)
     g = _conv.geometry("f", *seed)
-    _conv.launch(0, "float32", "tf32", False, g, 5, 256, 16, 32, 48, 64, 0.01, 2.0, "f")
+    _conv.launch(
+        0, "float32", "tf32", False, g, 5, 256, 16, 32, 48, 64, 0.01, 2.0, "f",
+        have=_conv.extents(g, "float32"),
+    )  # fmt: skip
     assert launched[0][2] == _conv.launch_tiling(g, 1, True).smem + _conv.SEAM_BYTES
     monkeypatch.setattr(_conv, "_device_name", lambda device: H200)  # (another machine)
     monkeypatch.setattr(_conv, "_forward_launches", {})
-    _conv.launch(0, "float32", "tf32", False, g, 5, 256, 16, 32, 48, 64, 0.01, 2.0, "f")
+    _conv.launch(
+        0, "float32", "tf32", False, g, 5, 256, 16, 32, 48, 64, 0.01, 2.0, "f",
+        have=_conv.extents(g, "float32"),
+    )  # fmt: skip
     assert launched[1][2] == _conv.launch_tiling(g, 1, True).smem
 
 
@@ -954,7 +963,10 @@ def _forward_at(shape, seed: int, precision: str):
         y = poison((n + 64,), torch.float32)[offset : offset + n].view(g.out_shape)
         mask = torch.zeros(mask_nbytes(n), dtype=torch.uint8, device="cuda")
         ptrs = (x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), mask.data_ptr())
-        _conv.launch(0, "float32", precision, False, g, stream, *ptrs, SLOPE, DIVISOR, "f")
+        have = tuple(t.numel() * t.element_size() for t in (x, w, b, y, mask))
+        _conv.launch(
+            0, "float32", precision, False, g, stream, *ptrs, SLOPE, DIVISOR, "f", have=have
+        )
         assert not (y.view(torch.int32) == mark).any(), offset
         return y.view(torch.int32).clone(), mask
 
@@ -1145,7 +1157,8 @@ def test_training_forward_zeroes_its_mask_on_poisoned_memory(tf32, cl):
     ptrs = (x.data_ptr(), w.data_ptr(), b.data_ptr(), y_ref.data_ptr(), m_ref.data_ptr())
     stream = torch.cuda.current_stream().cuda_stream
     precision = "tf32" if tf32 else "fp32"
-    _conv.launch(0, "float32", precision, cl, g, stream, *ptrs, SLOPE, DIVISOR, "f")
+    have = tuple(t.numel() * t.element_size() for t in (x, w, b, y_ref, m_ref))
+    _conv.launch(0, "float32", precision, cl, g, stream, *ptrs, SLOPE, DIVISOR, "f", have=have)
     assert m_ref.any()  # (a mask of zeros would hide a missing memset)
     w = w.requires_grad_()
     for _ in range(3):

@@ -163,7 +163,11 @@ def test_dgrad_launch_picks_its_kernel_per_call(monkeypatch):
 
     def go(g, dy, dtype="float32"):
         launched.clear()
-        _conv.launch_dgrad(0, dtype, "fp32", False, g, 5, dy, 32, 48, 64, 0.01, 2.0, "f")
+        e = _conv.extents(g, dtype)
+        _conv.launch_dgrad(
+            0, dtype, "fp32", False, g, 5, dy, 32, 48, 64, 0.01, 2.0, "f",
+            have=(e.y, e.mask, e.w, e.x),
+        )  # fmt: skip
         return launched
 
     for dtype, dy, ptr in (("float32", 256, 1), ("float16", 260, 2), ("float16", 258, 1)):

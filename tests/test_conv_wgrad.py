@@ -421,7 +421,9 @@ def test_wgrad_launch_picks_its_kernel_per_call(monkeypatch):
     def go(g, dy, mask, gb, cl=False):
         launched.clear()
         run = _conv.wgrad_launch(0, "float32", "fp32", cl, g)
-        _conv.launch_wgrad(run, 5, 16, dy, mask, 48, gb, 80, 0.01, 2.0, "f")
+        e = _conv.extents(g, "float32")
+        have = (e.x, e.y, e.mask, e.w, e.bias, 4 * run.plan.part_floats)
+        _conv.launch_wgrad(run, 5, 16, dy, mask, 48, gb, 80, 0.01, 2.0, "f", have=have)
         return run, [(ptr, grid, desc) for ptr, grid, smem, f, desc in launched], launched
 
     run, got, raw = go(g, 256, 512, 64)

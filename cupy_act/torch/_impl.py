@@ -20,9 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy
 import torch
+from torch import Tensor
 
 from .. import _registry
-from .._arrays import mask_nbytes
+from .._arrays import SUPPORTED, mask_nbytes
 from .._kernels import DTYPES
 from .._plan import plan
 
@@ -87,6 +88,53 @@ class _Launches(dict):
 _launches = _Launches()
 
 
+def check_tensors(fname: str, x, bias):
+    """TypeError or ValueError naming what is wrong with x or bias; else bias,
+    made contiguous (the kernels read it as one row of channels)."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{fname}: input must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in DTYPE_NAMES:
+        raise TypeError(f"{fname}: input has dtype {x.dtype}; supported: {SUPPORTED}")
+    if bias is None:
+        return None
+    if not isinstance(bias, Tensor):
+        raise TypeError(f"{fname}: bias must be a torch.Tensor, got {type(bias).__name__}")
+    if x.dim() < 2 or bias.shape != (x.shape[1],):
+        raise ValueError(
+            f"{fname}: bias has shape {tuple(bias.shape)}, expected (channels,) = "
+            f"({x.shape[1] if x.dim() > 1 else '?'},) for input of shape {tuple(x.shape)}"
+        )
+    if bias.dtype != x.dtype or bias.device != x.device:
+        raise TypeError(
+            f"{fname}: bias is {bias.dtype} on {bias.device}, input is {x.dtype} on {x.device}"
+        )
+    return bias.contiguous()
+
+
+def check_mask(fname: str, mask, dy: Tensor) -> None:
+    """ValueError naming what is wrong, unless ``mask`` is a packed mask the
+    backward kernel can read for dy's elements: uint8, dense, on dy's device,
+    at least ``mask_nbytes(dy.numel())`` bytes, 4-byte aligned on CUDA (it
+    reads 32-bit words)."""
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"{fname}: mask must be a torch.Tensor, got {type(mask).__name__}")
+    need = mask_nbytes(dy.numel())
+    if (
+        mask.dtype != torch.uint8
+        or mask.numel() < need
+        or mask.device != dy.device
+        or not mask.is_contiguous()
+        or (mask.is_cuda and mask.data_ptr() % 4)
+    ):
+        where = f" at address {mask.data_ptr():#x}" if mask.is_cuda else ""
+        raise ValueError(
+            f"{fname}: mask is {mask.dtype} of {mask.numel()} elements on {mask.device}"
+            f"{'' if mask.is_contiguous() else ' (not contiguous)'}{where}; expected a dense "
+            f"torch.uint8 tensor of at least {need} bytes on {dy.device}, 4-byte aligned (the "
+            f"packed mask of the forward, for dy's {dy.numel()} elements)"
+        )
+
+
 def _launch_cuda(kind, op, x, y, mask, bias, slope, divisor, channels_last) -> None:
     """Launch kind over x into y (with a mask, a bias): any dense layout."""
     n = x.numel()
@@ -94,13 +142,17 @@ def _launch_cuda(kind, op, x, y, mask, bias, slope, divisor, channels_last) -> N
         return
     dev = x.get_device()
     launch = _launches[op, kind, x.dtype, dev, bias is None, slope, divisor]
-    mask_ptr, mask_words = (0, 0) if mask is None else (mask.data_ptr(), mask.numel() >> 2)
+    mask_ptr, mask_bytes = (0, 0) if mask is None else (mask.data_ptr(), mask.numel())
+    # (a backward reads the mask's bits; a forward writes its words)
+    mask_words = mask_bytes >> 2 if kind == "forward_mask" else 0
+    have = (n, y.numel(), mask_bytes, 0 if bias is None else bias.numel())
     if bias is None:
-        launch(_raw_stream(dev), n, x.data_ptr(), y.data_ptr(), mask_ptr, mask_words)
+        launch.checked(have, _raw_stream(dev), n, x.data_ptr(), y.data_ptr(), mask_ptr, mask_words)
         return
     channels = x.shape[1]
     inner = 1 if channels_last else math.prod(x.shape[2:])
-    launch(
+    launch.checked(
+        have,
         _raw_stream(dev),
         n,
         x.data_ptr(),
@@ -498,6 +550,8 @@ def backward(dy, mask, op: str, slope: float, divisor: float, channels_last: boo
     dx = torch.empty_like(dy)
     n = dy.numel()
     if n:
+        if mask.numel() < (n + 127) // 128 * 16:  # (mask_nbytes(n): the bits it reads)
+            check_mask("cupy_act::backward", mask, dy)
         dev = dy.get_device()
         launch = _launches[op, "backward", dy.dtype, dev, True, slope, divisor]
         # (the backward kernel reads n bits; mask_words sizes only the forward's writes)

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._arrays import mask_nbytes
+from .. import _registry
+from .._scalars import check_scalars
 from . import _impl
 
 
@@ -24,8 +25,35 @@ def _like(x: Tensor) -> Tensor:
     return torch.empty_like(_impl.arrange(x, _impl.is_channels_last(x)))
 
 
+# The ops are public (``torch.ops.cupy_act.*``): each implementation checks
+# its arguments as the Python functions do before anything reaches a kernel.
+# (The Python functions call them with checked arguments only under
+# torch.compile or torch.func, where a call's host time is not the eager one's.)
+
+
+def _check_op(fname: str, op: str, slope: float, divisor: float, bias=None) -> None:
+    """ValueError / TypeError naming a bad op name, number, or a bias the op
+    does not take."""
+    spec = _registry.OPS.get(op) if isinstance(op, str) else None
+    if spec is None:
+        raise ValueError(f"{fname}: op={op!r}; expected one of {tuple(_registry.OPS)}")
+    check_scalars(op, slope, divisor, fname)
+    if bias is not None and not spec.divisor:
+        raise ValueError(f"{fname}: op {op!r} takes no bias (only {_BIASED} do)")
+
+
+_BIASED = tuple(name for name, spec in _registry.OPS.items() if spec.divisor)
+
+
+def _checked_forward(fname: str, x, op: str, slope: float, divisor: float, bias):
+    """The forward ops' checks (``_check_op``, ``_impl.check_tensors``); bias made dense."""
+    _check_op(fname, op, slope, divisor, bias)
+    return _impl.check_tensors(fname, x, bias)
+
+
 @torch.library.custom_op("cupy_act::forward", mutates_args=())
 def forward_op(x: Tensor, op: str, slope: float, divisor: float, bias: Tensor | None) -> Tensor:
+    bias = _checked_forward("cupy_act::forward", x, op, slope, divisor, bias)
     return _impl.forward(x, op, slope, divisor, bias)
 
 
@@ -38,6 +66,7 @@ def _(x, op, slope, divisor, bias):
 def forward_mask_op(
     x: Tensor, op: str, slope: float, divisor: float, bias: Tensor | None
 ) -> tuple[Tensor, Tensor]:
+    bias = _checked_forward("cupy_act::forward_mask", x, op, slope, divisor, bias)
     return _impl.forward_mask(x, op, slope, divisor, bias)
 
 
@@ -50,13 +79,14 @@ def _(x, op, slope, divisor, bias):
 def backward_op(
     dy: Tensor, mask: Tensor, op: str, slope: float, divisor: float, channels_last: bool
 ) -> Tensor:
-    # (callable as torch.ops.cupy_act.backward: the kernel reads dy.numel() bits)
-    need = mask_nbytes(dy.numel())
-    if mask.dtype != torch.uint8 or mask.numel() < need or mask.device != dy.device:
+    fname = "cupy_act::backward"
+    _check_op(fname, op, slope, divisor)
+    _impl.check_tensors(fname, dy, None)
+    _impl.check_mask(fname, mask, dy)
+    if channels_last and dy.dim() not in (4, 5):
         raise ValueError(
-            f"cupy_act::backward: mask is {mask.dtype} of {mask.numel()} elements on "
-            f"{mask.device}; expected torch.uint8 of at least {need} bytes on {dy.device} "
-            f"(the packed mask of the forward, for dy's {dy.numel()} elements)"
+            f"{fname}: channels_last=True needs a 4-D or 5-D dy (the mask in channels-last "
+            f"memory order), got shape {tuple(dy.shape)}"
         )
     return _impl.backward(dy, mask, op, slope, divisor, channels_last)
 
@@ -70,6 +100,7 @@ def _(dy, mask, op, slope, divisor, channels_last):
 def forward_mask_inplace_op(
     x: Tensor, op: str, slope: float, divisor: float, bias: Tensor | None
 ) -> Tensor:
+    bias = _checked_forward("cupy_act::forward_mask_", x, op, slope, divisor, bias)
     return _impl.forward_mask_(x, op, slope, divisor, bias)
 
 

@@ -27,6 +27,7 @@ BatchNorm -> ReLU / LeakyReLU pairs for it.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import NamedTuple
 
@@ -50,6 +51,8 @@ _ACT_CLASSES = {
 
 
 MEMORY = ("default", "inplace")
+# torch 2.13 added nn.BatchNorm2d(..., *, bias=True)
+_BN_TAKES_BIAS = "bias" in inspect.signature(nn.BatchNorm2d.__init__).parameters
 
 
 def _invertible(act: str, slope: float) -> bool:
@@ -92,8 +95,10 @@ class BatchNormAct2d(nn.BatchNorm2d):
     signature, less its dropout layer).
 
     Args:
-        num_features, eps, momentum, affine, track_running_stats, device, dtype:
-            as ``nn.BatchNorm2d`` (``momentum=None``: cumulative average).
+        num_features, eps, momentum, affine, track_running_stats, device, dtype,
+            bias: as ``nn.BatchNorm2d`` (``momentum=None``: cumulative average;
+            ``bias=False``, keyword-only as in torch 2.13: a weight and no
+            bias, on any torch version).
         apply_act: False makes the activation the identity.
         act_layer: ``"relu"``, ``"leaky_relu"``, ``"identity"`` (or None), or the
             class ``nn.ReLU`` / ``nn.LeakyReLU`` / ``nn.Identity``.
@@ -131,8 +136,18 @@ class BatchNormAct2d(nn.BatchNorm2d):
         device=None,
         dtype=None,
         memory: str = "default",
+        *,
+        bias: bool = True,
     ) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        if _BN_TAKES_BIAS:
+            super().__init__(
+                num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias
+            )
+        else:  # (torch < 2.13: nn.BatchNorm2d has no bias switch; the same module without it)
+            args = (num_features, eps, momentum, affine, track_running_stats, device, dtype)
+            super().__init__(*args)
+            if affine and not bias:
+                self.register_parameter("bias", None)
         self.act = _act_name(act_layer if apply_act else None, "BatchNormAct2d")
         kwargs = dict(act_kwargs or {})
         kwargs.pop("inplace", None)
@@ -204,30 +219,73 @@ def _tensors(m: nn.BatchNorm2d) -> _Tensors:
 
 
 def _fused_tensors(m: BatchNormAct2d, x: torch.Tensor) -> _Tensors | None:
-    """The module's tensors where the fused kernels apply, else None: a dense
-    4-D CUDA tensor, float32 parameters and buffers (an int64
-    ``num_batches_tracked``, which the kernels count) on its device, outside
-    torch.compile, torch.func transforms and forward-mode AD (checked before
-    the module's dictionaries are read, which tracing need not see)."""
-    if not (FUSED and x.is_cuda and x.dim() == 4 and x.dtype in _FUSED_DTYPES):
+    """The module's tensors where the fused kernels apply, else None (then
+    ``nn.BatchNorm2d.forward`` runs, which raises PyTorch's own error for
+    what it refuses): a dense 4-D CUDA tensor outside torch.compile,
+    torch.func transforms and forward-mode AD (checked before the module's
+    dictionaries are read, which tracing need not see), and every tensor the
+    kernels index checked against it (``_check_channels``, ``_kernel_tensors``)."""
+    if not (FUSED and _on_gpu(x) and x.dim() == 4 and x.dtype in _FUSED_DTYPES):
         return None
     if F._is_compiling() or F._functorch_active() or F._forward_ad_active():
         return None
     t = _tensors(m)
-    dev = x.device
-    for p in (t.weight, t.bias, t.running_mean, t.running_var):
-        if p is not None and (p.dtype != torch.float32 or p.device != dev):
-            return None
-    count = t.num_batches_tracked
-    if count is not None and (count.dtype != torch.int64 or count.device != dev):
+    c = x.shape[1]
+    # the running statistics F.batch_norm is given (updated or used), as
+    # nn.BatchNorm2d.forward decides
+    passed = not m.training or m.track_running_stats
+    mean, var = (t.running_mean, t.running_var) if passed else (None, None)
+    _check_channels(c, m.training, mean, var, t.weight, t.bias)
+    if not _kernel_tensors(x, t, mean, var, m.training and m.track_running_stats):
         return None
-    per_channel = x.numel() // max(x.shape[1], 1)
-    if per_channel <= (1 if _batch_statistics(m, t.running_mean) else 0) or x.shape[1] > 65535:
+    per_channel = x.numel() // max(c, 1)
+    if per_channel <= (1 if _batch_statistics(m, t.running_mean) else 0) or c > 65535:
         return None  # (one value per channel in training: PyTorch's path raises its
         # error; the reduction's grid has a row of blocks per channel)
     if x.is_contiguous() or (FUSED_CHANNELS_LAST and _impl.is_channels_last(x)):
         return t
     return None
+
+
+def _on_gpu(x: torch.Tensor) -> bool:
+    """Whether x is where the kernels run (a seam: the CPU tests' launch
+    recorder replaces it to run the fused path with fake kernels on CPU
+    tensors)."""
+    return x.is_cuda
+
+
+def _check_channels(c: int, training: bool, mean, var, weight, bias) -> None:
+    """RuntimeError, as ATen's batch_norm raises it (same order and words),
+    where a tensor the kernels index per channel does not hold ``c``
+    elements, or eval mode lacks a running statistic it normalizes with."""
+    for name, t in (("running_mean", mean), ("running_var", var)):
+        if t is not None:
+            if t.numel() != c:
+                raise RuntimeError(f"{name} should contain {c} elements not {t.numel()}")
+        elif not training and (mean is not None or var is not None):
+            return  # (one of the two: nn.BatchNorm2d's path raises its ValueError)
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.numel() != c:
+            raise RuntimeError(f"{name} should contain {c} elements not {t.numel()}")
+
+
+def _kernel_tensors(x: torch.Tensor, t: _Tensors, mean, var, counts: bool) -> bool:
+    """Whether the kernels can take the module's tensors as they are: float32,
+    dense (a 1-D row per channel), on x's device; both running statistics or
+    neither; an int64 ``num_batches_tracked`` of one element there where the
+    kernels count (``counts``). Otherwise PyTorch's path takes them (it
+    accepts strided parameters and raises for the rest)."""
+    dev = x.device
+    if (mean is None) != (var is None):
+        return False
+    for p in (t.weight, t.bias, mean, var):
+        if p is not None and (p.dtype != torch.float32 or p.device != dev or not p.is_contiguous()):
+            return False
+    count = t.num_batches_tracked
+    if counts and count is not None:
+        if count.dtype != torch.int64 or count.device != dev or count.numel() != 1:
+            return False
+    return True
 
 
 def _fusable(m: BatchNormAct2d, x: torch.Tensor) -> bool:
@@ -291,13 +349,13 @@ _ARRIVALS = 65536  # (channels <= 65535)
 _arrival_sets: dict[tuple[int, int], torch.Tensor] = {}
 
 
-def _arrivals(s: _bn.Shape, device: torch.device, stream: int) -> int:
-    """Address of zeroed counters for the pass, or 0 where it needs none."""
+def _arrivals(s: _bn.Shape, device: torch.device, stream: int) -> tuple[int, int]:
+    """(address, bytes) of zeroed counters for the pass, or (0, 0) where it needs none."""
     if not _bn.arrivals(s):
-        return 0
+        return 0, 0
     if _capturing():
         fresh = torch.zeros(s.channels, dtype=torch.int32, device=device)
-        return fresh.data_ptr()  # (freed in stream order: the graph's memory)
+        return fresh.data_ptr(), 4 * s.channels  # (freed in stream order: the graph's memory)
     t = _arrival_sets.get((s.device, stream))
     if t is None:
         if len(_arrival_sets) > 64:  # (streams made per step: start over)
@@ -305,7 +363,12 @@ def _arrivals(s: _bn.Shape, device: torch.device, stream: int) -> int:
         t = _arrival_sets[(s.device, stream)] = torch.zeros(
             _ARRIVALS, dtype=torch.int32, device=device
         )
-    return t.data_ptr()
+    return t.data_ptr(), 4 * _ARRIVALS
+
+
+def _nbytes(t) -> int:
+    """Bytes of a dense tensor (0 for None): what a kernel may index from its address."""
+    return 0 if t is None else t.numel() * t.element_size()
 
 
 class FusedBatchNormAct(torch.autograd.Function):
@@ -335,12 +398,19 @@ class FusedBatchNormAct(torch.autograd.Function):
         stats = torch.empty(ps.doubles, dtype=torch.float64, device=dev)
         mean = stats.data_ptr()
         stream = _impl._raw_stream(s.device)
+        counters, counted = (0, 0) if mode.evaluate else _arrivals(s, dev, stream)
         buffers = _bn.Buffers(
             xp, 0, yp, _ptr(mask), _ptr(weight), _ptr(bias), mean, mean + 4 * c, mean + ps.work,
-            _ptr(running_mean), _ptr(running_var), 0, 0, mean + ps.coef, _ptr(count),
-            0 if mode.evaluate else _arrivals(s, dev, stream),
+            _ptr(running_mean), _ptr(running_var), 0, 0, mean + ps.coef, _ptr(count), counters,
         )  # fmt: skip
-        _bn.run(ps, stream, buffers, factor, eps, mode.slope, _bn.EVAL if mode.evaluate else 0)
+        sb, xb = _nbytes(stats), _nbytes(x)
+        have = (
+            xb, 0, xb, _nbytes(mask), _nbytes(weight), _nbytes(bias), sb, sb - 4 * c,
+            sb - ps.work, _nbytes(running_mean), _nbytes(running_var), 0, 0, sb - ps.coef,
+            _nbytes(count), counted,
+        )  # fmt: skip
+        flags = _bn.EVAL if mode.evaluate else 0
+        _bn.run(ps, stream, buffers, have, factor, eps, mode.slope, flags)
         if mode.inplace:
             ctx.mark_dirty(x)
         ctx.save_for_backward(y if mode.inplace else x, weight, bias, stats, mask)
@@ -373,12 +443,18 @@ def _backward(ctx, gy):
     work = torch.empty(ps.doubles, dtype=torch.float64, device=dev)
     mean, w = stats.data_ptr(), work.data_ptr()
     stream = _impl._raw_stream(s.device)
+    counters, counted = _arrivals(s, dev, stream)
     buffers = _bn.Buffers(
         sp, gp, dp, _ptr(mask), _ptr(weight), _ptr(bias), mean, mean + 4 * c, w + ps.work,
-        0, 0, _ptr(gw), _ptr(gb), w + ps.coef, 0, _arrivals(s, dev, stream),
+        0, 0, _ptr(gw), _ptr(gb), w + ps.coef, 0, counters,
+    )  # fmt: skip
+    sb, wb, xb = _nbytes(stats), _nbytes(work), _nbytes(src)
+    have = (
+        xb, _nbytes(gy), xb, _nbytes(mask), _nbytes(weight), _nbytes(bias), sb, sb - 4 * c,
+        wb - ps.work, 0, 0, _nbytes(gw), _nbytes(gb), wb - ps.coef, 0, counted,
     )  # fmt: skip
     flags = (_bn.EVAL if mode.evaluate else 0) | (_bn.FROM_OUTPUT if mode.inplace else 0)
-    _bn.run(ps, stream, buffers, 0.0, 0.0, mode.slope, flags)
+    _bn.run(ps, stream, buffers, have, 0.0, 0.0, mode.slope, flags)
     return dx, gw, gb, None, None, None, None, None, None
 
 

@@ -85,6 +85,11 @@ def _operands(x: Tensor, weight: Tensor, bias, g):
     return x, w, b, y, cl
 
 
+def _nbytes(t) -> int:
+    """Bytes of a dense tensor (0 for None): what a kernel may index from its address."""
+    return 0 if t is None else t.numel() * t.element_size()
+
+
 class _Kept(NamedTuple):
     """The eager forward's launch for one kind of call and layout (kept in its
     ``_Checked``): the prepared launch (None: an empty output) and the
@@ -127,8 +132,49 @@ def _kept_forward(x: Tensor, weight: Tensor, bias, g, launches, divisor, slope, 
             sl,
             sc,
             nbytes,
+            have=(_nbytes(x), _nbytes(w), _nbytes(b), _nbytes(y), nbytes),
         )
     return y, mask
+
+
+# The custom ops are public (``torch.ops.cupy_act.*``): each checks every
+# tensor it hands a kernel against the others and the geometry, as
+# conv2d_div_leaky_relu does, before anything is launched.
+_OP = "cupy_act::conv2d_div_leaky_relu"
+
+
+def _check_fused(fname: str, x: str, dtype_of, tensors) -> None:
+    """TypeError naming ``dtype_of`` (called ``x`` in the message) unless it
+    is a CUDA tensor of a dtype the fused kernels take, or the first of
+    ``tensors`` ((name, tensor or None), ...) not of its dtype and device."""
+    if not isinstance(dtype_of, Tensor):
+        raise TypeError(f"{fname}: {x} must be a torch.Tensor, got {type(dtype_of).__name__}")
+    if dtype_of.dtype not in _FUSED_DTYPES or not dtype_of.is_cuda:
+        raise TypeError(
+            f"{fname}: {x} is {dtype_of.dtype} on {dtype_of.device}; the fused kernels take "
+            f"CUDA tensors of {', '.join(_conv.DTYPES)}"
+        )
+    for name, t in tensors:
+        if t is None:
+            continue
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{fname}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != dtype_of.dtype or t.device != dtype_of.device:
+            raise TypeError(
+                f"{fname}: {name} is {t.dtype} on {t.device}, {x} is {dtype_of.dtype} on "
+                f"{dtype_of.device}"
+            )
+
+
+def _check_shape(fname: str, name: str, t: Tensor, shape) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{fname}: {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+
+
+def _geometry_fits(fname: str, g, dtype: torch.dtype, tf32: bool, fits, what: str) -> None:
+    n_passes = _conv.passes(_impl.DTYPE_NAMES[dtype], "tf32" if tf32 else "fp32")
+    if not fits(g, n_passes):
+        raise ValueError(f"{fname}: {g} is beyond the fused {what} kernel")
 
 
 @torch.library.custom_op("cupy_act::conv2d_div_leaky_relu", mutates_args=())
@@ -144,6 +190,10 @@ def fused_op(
     tf32: bool,
     with_mask: bool,
 ) -> tuple[Tensor, Tensor]:
+    _check_fused(_OP, "input", x, (("weight", weight), ("bias", bias)))
+    _check(x, weight, bias, divisor, negative_slope, "fused")
+    g = _conv.geometry(_OP, x.shape, weight.shape, stride, padding, dilation)
+    _geometry_fits(_OP, g, x.dtype, tf32, _conv.fits, "forward")
     return fused_forward(
         x, weight, bias, divisor, negative_slope, stride, padding, dilation, tf32, with_mask
     )
@@ -181,6 +231,7 @@ def fused_wgrad(
     _conv.launch_wgrad(
         run, _impl._raw_stream(dev), x.data_ptr(), gy.data_ptr(), mask.data_ptr(), gw.data_ptr(),
         gb.data_ptr() if with_bias else 0, part.data_ptr(), slope, divisor, FNAME,
+        have=tuple(map(_nbytes, (x, gy, mask, gw, gb, part))),
     )  # fmt: skip
     return gw, gb
 
@@ -199,6 +250,14 @@ def wgrad_op(
     dilation: list[int],
     tf32: bool,
 ) -> tuple[Tensor, Tensor]:
+    fname = _OP + "_wgrad"
+    _check_fused(fname, "x", x, (("gy", gy),))
+    check_divisor(divisor, fname)
+    check_real(negative_slope, "negative_slope", fname)
+    g = _conv.geometry(fname, x.shape, weight_shape, stride, padding, dilation)
+    _check_shape(fname, "gy", gy, g.out_shape)
+    _impl.check_mask(fname, mask, gy)
+    _geometry_fits(fname, g, x.dtype, tf32, _conv.wgrad_fits, "weight-gradient")
     return fused_wgrad(
         x, gy, mask, weight_shape, with_bias, divisor, negative_slope, stride, padding,
         dilation, tf32,
@@ -229,7 +288,7 @@ def fused_dgrad(
     _conv.launch_dgrad(
         dev, _impl.DTYPE_NAMES[gy.dtype], "tf32" if tf32 else "fp32", channels_last, g,
         _impl._raw_stream(dev), gy.data_ptr(), mask.data_ptr(), w.data_ptr(), gx.data_ptr(),
-        slope, divisor, FNAME,
+        slope, divisor, FNAME, have=tuple(map(_nbytes, (gy, mask, w, gx))),
     )  # fmt: skip
     return gx
 
@@ -248,6 +307,14 @@ def dgrad_op(
     dilation: list[int],
     tf32: bool,
 ) -> Tensor:
+    fname = _OP + "_dgrad"
+    _check_fused(fname, "gy", gy, (("weight", weight),))
+    check_divisor(divisor, fname)
+    check_real(negative_slope, "negative_slope", fname)
+    g = _conv.geometry(fname, x_shape, weight.shape, stride, padding, dilation)
+    _check_shape(fname, "gy", gy, g.out_shape)
+    _impl.check_mask(fname, mask, gy)
+    _geometry_fits(fname, g, gy.dtype, tf32, _conv.dgrad_fits, "input-gradient")
     return fused_dgrad(
         gy, mask, weight, x_shape, channels_last, divisor, negative_slope, stride, padding,
         dilation, tf32,

@@ -24,7 +24,6 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
-from .._arrays import SUPPORTED
 from .._scalars import check_divisor, check_real
 from . import _autograd, _impl, _library, _traced
 
@@ -71,29 +70,6 @@ def set_compile_route(route: str) -> str:
     previous = COMPILE_ROUTES[_compile.kernels]
     _compile.kernels = route == "kernels"
     return previous
-
-
-def _check_tensors(fname: str, x, bias):
-    """TypeError or ValueError naming what is wrong with x or bias; else bias,
-    made contiguous (the kernels read it as one row of channels)."""
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{fname}: input must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _impl.DTYPE_NAMES:
-        raise TypeError(f"{fname}: input has dtype {x.dtype}; supported: {SUPPORTED}")
-    if bias is None:
-        return None
-    if not isinstance(bias, Tensor):
-        raise TypeError(f"{fname}: bias must be a torch.Tensor, got {type(bias).__name__}")
-    if x.dim() < 2 or bias.shape != (x.shape[1],):
-        raise ValueError(
-            f"{fname}: bias has shape {tuple(bias.shape)}, expected (channels,) = "
-            f"({x.shape[1] if x.dim() > 1 else '?'},) for input of shape {tuple(x.shape)}"
-        )
-    if bias.dtype != x.dtype or bias.device != x.device:
-        raise TypeError(
-            f"{fname}: bias is {bias.dtype} on {bias.device}, input is {x.dtype} on {x.device}"
-        )
-    return bias.contiguous()
 
 
 def _slope(value, fname: str) -> float:
@@ -151,10 +127,10 @@ def _apply(fname, op, x, slope, divisor, bias, inplace):
     # slope and divisor are Python floats here, checked by the public function
     # that takes them (relu takes none: its call checks only the tensor). The
     # common call (a tensor of a supported dtype, no bias) passes the tensor
-    # checks in one expression; anything else goes through _check_tensors,
-    # which names what is wrong.
+    # checks in one expression; anything else goes through
+    # _impl.check_tensors, which names what is wrong.
     if not (bias is None and isinstance(x, Tensor) and x.dtype in _impl.DTYPE_NAMES):
-        bias = _check_tensors(fname, x, bias)
+        bias = _impl.check_tensors(fname, x, bias)
     if _is_compiling():
         return _compiled(op, x, slope, divisor, bias, inplace)
     if _functorch_active() or _fwd_levels._current_level >= 0:  # transforms, forward AD
