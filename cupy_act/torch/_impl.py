@@ -39,6 +39,13 @@ except AttributeError:  # pragma: no cover - older or CPU-only builds
         return torch.cuda.current_stream(index).cuda_stream
 
 
+def on_gpu(x: torch.Tensor) -> bool:
+    """Whether the fused BatchNorm and convolution kernels take x: a CUDA
+    tensor. (Asked here alone, so that the CPU tests' launch recorder can run
+    those paths on CPU tensors with fake kernels.)"""
+    return x.is_cuda
+
+
 def is_channels_last(x: torch.Tensor) -> bool:
     """Dense channels-last (and not also C-contiguous): processed in memory order.
 
@@ -111,6 +118,17 @@ def check_tensors(fname: str, x, bias):
     return bias.contiguous()
 
 
+def _address(t: Tensor) -> int:
+    """A CUDA tensor's address; 0 for others, and for tensors without storage
+    (the fake tensors torch.compile traces with)."""
+    if not t.is_cuda:
+        return 0
+    try:
+        return t.data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
 def check_mask(fname: str, mask, dy: Tensor) -> None:
     """ValueError naming what is wrong, unless ``mask`` is a packed mask the
     backward kernel can read for dy's elements: uint8, dense, on dy's device,
@@ -119,14 +137,15 @@ def check_mask(fname: str, mask, dy: Tensor) -> None:
     if not isinstance(mask, Tensor):
         raise TypeError(f"{fname}: mask must be a torch.Tensor, got {type(mask).__name__}")
     need = mask_nbytes(dy.numel())
+    address = _address(mask)
     if (
         mask.dtype != torch.uint8
         or mask.numel() < need
         or mask.device != dy.device
         or not mask.is_contiguous()
-        or (mask.is_cuda and mask.data_ptr() % 4)
+        or address % 4
     ):
-        where = f" at address {mask.data_ptr():#x}" if mask.is_cuda else ""
+        where = f" at address {address:#x}" if address % 4 else ""
         raise ValueError(
             f"{fname}: mask is {mask.dtype} of {mask.numel()} elements on {mask.device}"
             f"{'' if mask.is_contiguous() else ' (not contiguous)'}{where}; expected a dense "

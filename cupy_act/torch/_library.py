@@ -59,6 +59,7 @@ def forward_op(x: Tensor, op: str, slope: float, divisor: float, bias: Tensor | 
 
 @forward_op.register_fake
 def _(x, op, slope, divisor, bias):
+    _checked_forward("cupy_act::forward", x, op, slope, divisor, bias)
     return _like(x)
 
 
@@ -72,6 +73,7 @@ def forward_mask_op(
 
 @forward_mask_op.register_fake
 def _(x, op, slope, divisor, bias):
+    _checked_forward("cupy_act::forward_mask", x, op, slope, divisor, bias)
     return _like(x), _impl.new_mask(x)
 
 
@@ -79,6 +81,19 @@ def _(x, op, slope, divisor, bias):
 def backward_op(
     dy: Tensor, mask: Tensor, op: str, slope: float, divisor: float, channels_last: bool
 ) -> Tensor:
+    _check_backward(dy, mask, op, slope, divisor, channels_last)
+    return _impl.backward(dy, mask, op, slope, divisor, channels_last)
+
+
+@backward_op.register_fake
+def _(dy, mask, op, slope, divisor, channels_last):
+    _check_backward(dy, mask, op, slope, divisor, channels_last)
+    return torch.empty_like(_impl.arrange(dy, channels_last))
+
+
+def _check_backward(dy, mask, op, slope, divisor, channels_last) -> None:
+    """The backward op's checks: the op and numbers, dy, and the mask the
+    kernel will read for dy's elements in the order ``channels_last`` says."""
     fname = "cupy_act::backward"
     _check_op(fname, op, slope, divisor)
     _impl.check_tensors(fname, dy, None)
@@ -88,12 +103,6 @@ def backward_op(
             f"{fname}: channels_last=True needs a 4-D or 5-D dy (the mask in channels-last "
             f"memory order), got shape {tuple(dy.shape)}"
         )
-    return _impl.backward(dy, mask, op, slope, divisor, channels_last)
-
-
-@backward_op.register_fake
-def _(dy, mask, op, slope, divisor, channels_last):
-    return torch.empty_like(_impl.arrange(dy, channels_last))
 
 
 @torch.library.custom_op("cupy_act::forward_mask_", mutates_args=("x",))
@@ -106,6 +115,7 @@ def forward_mask_inplace_op(
 
 @forward_mask_inplace_op.register_fake
 def _(x, op, slope, divisor, bias):
+    _checked_forward("cupy_act::forward_mask_", x, op, slope, divisor, bias)
     return _impl.new_mask(x)
 
 

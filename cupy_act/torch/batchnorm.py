@@ -225,7 +225,7 @@ def _fused_tensors(m: BatchNormAct2d, x: torch.Tensor) -> _Tensors | None:
     torch.func transforms and forward-mode AD (checked before the module's
     dictionaries are read, which tracing need not see), and every tensor the
     kernels index checked against it (``_check_channels``, ``_kernel_tensors``)."""
-    if not (FUSED and _on_gpu(x) and x.dim() == 4 and x.dtype in _FUSED_DTYPES):
+    if not (FUSED and _impl.on_gpu(x) and x.dim() == 4 and x.dtype in _FUSED_DTYPES):
         return None
     if F._is_compiling() or F._functorch_active() or F._forward_ad_active():
         return None
@@ -245,13 +245,6 @@ def _fused_tensors(m: BatchNormAct2d, x: torch.Tensor) -> _Tensors | None:
     if x.is_contiguous() or (FUSED_CHANNELS_LAST and _impl.is_channels_last(x)):
         return t
     return None
-
-
-def _on_gpu(x: torch.Tensor) -> bool:
-    """Whether x is where the kernels run (a seam: the CPU tests' launch
-    recorder replaces it to run the fused path with fake kernels on CPU
-    tensors)."""
-    return x.is_cuda
 
 
 def _check_channels(c: int, training: bool, mean, var, weight, bias) -> None:

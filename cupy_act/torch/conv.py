@@ -149,7 +149,7 @@ def _check_fused(fname: str, x: str, dtype_of, tensors) -> None:
     ``tensors`` ((name, tensor or None), ...) not of its dtype and device."""
     if not isinstance(dtype_of, Tensor):
         raise TypeError(f"{fname}: {x} must be a torch.Tensor, got {type(dtype_of).__name__}")
-    if dtype_of.dtype not in _FUSED_DTYPES or not dtype_of.is_cuda:
+    if dtype_of.dtype not in _FUSED_DTYPES or not _impl.on_gpu(dtype_of):
         raise TypeError(
             f"{fname}: {x} is {dtype_of.dtype} on {dtype_of.device}; the fused kernels take "
             f"CUDA tensors of {', '.join(_conv.DTYPES)}"
@@ -549,21 +549,39 @@ def _padding(padding, weight: Tensor, dilation, stride):
 
 
 def _check(x, weight, bias, divisor, slope, algorithm) -> None:
+    """The call's arguments, each tensor against the others: where
+    ``F.conv2d`` refuses the same tensors, its exception class (RuntimeError)
+    with the same facts; TypeError / ValueError naming the value elsewhere."""
     for name, t in (("input", x), ("weight", weight)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{FNAME}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if x.dtype not in _impl.DTYPE_NAMES:
         supported = ", ".join(_impl.DTYPE_NAMES.values())
         raise TypeError(f"{FNAME}: input has dtype {x.dtype}; supported: {supported}")
+    if bias is not None and not isinstance(bias, Tensor):
+        raise TypeError(f"{FNAME}: bias must be a torch.Tensor, got {type(bias).__name__}")
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and (t.dtype != x.dtype or t.device != x.device):
-            raise TypeError(
-                f"{FNAME}: {name} is {t.dtype} on {t.device}, input is {x.dtype} on {x.device}"
+            raise RuntimeError(
+                f"{FNAME}: input type ({x.dtype} on {x.device}) and {name} type ({t.dtype} on "
+                f"{t.device}) should be the same"
             )
+    if x.dim() != 4:
+        raise RuntimeError(
+            f"{FNAME}: expected 3D (unbatched) or 4D (batched) input, but got input of size: "
+            f"{list(x.shape)}"
+        )
+    if weight.dim() != 4 or weight.shape[1] != x.shape[1]:
+        raise RuntimeError(
+            f"{FNAME}: given groups=1, weight of size {list(weight.shape)}, expected "
+            f"input{list(x.shape)} to have {weight.shape[1] if weight.dim() > 1 else '?'} "
+            f"channels, but got {x.shape[1]} channels instead"
+        )
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
-        raise ValueError(
-            f"{FNAME}: bias has shape {tuple(bias.shape)}, expected ({weight.shape[0]},): "
-            f"one per output channel"
+        raise RuntimeError(
+            f"{FNAME}: given weight of size {list(weight.shape)}, expected bias to be "
+            f"1-dimensional with {weight.shape[0]} elements, but got bias of size "
+            f"{list(bias.shape)} instead"
         )
     check_divisor(divisor, FNAME)
     check_real(slope, "negative_slope", FNAME)
@@ -614,7 +632,7 @@ def _checked(x, weight, bias, divisor, slope, stride, padding, dilation, algorit
     fusable: tuple[bool, ...] = (False, False)
     spd: tuple = ()
     g = None
-    if pad is not None and x.is_cuda and x.dtype in _FUSED_DTYPES:
+    if pad is not None and _impl.on_gpu(x) and x.dtype in _FUSED_DTYPES:
         g = _conv.geometry(FNAME, x.shape, weight.shape, stride, pad, dilation)
         name = _impl.DTYPE_NAMES[x.dtype]
         fusable = tuple(_conv.fits(g, _conv.passes(name, p)) for p in ("fp32", "tf32"))
@@ -650,8 +668,9 @@ def conv2d_div_leaky_relu(
     negative_slope)`` with the algorithm named (see the module docstring).
 
     Args:
-        input: (N, Cin, H, W); weight: (Cout, Cin, kH, kW); bias: (Cout,) or None,
-            all of one dtype and device (groups = 1, zero padding).
+        input: (N, Cin, H, W), or (Cin, H, W) unbatched; weight: (Cout, Cin, kH, kW);
+            bias: (Cout,) or None, all of one dtype and device (groups = 1, zero
+            padding).
         stride, padding, dilation: as ``F.conv2d`` takes them.
         algorithm: "exact" (bit-identical to eager, the default), "channels_last",
             "fused", "fused_tf32" or "auto".
@@ -662,6 +681,11 @@ def conv2d_div_leaky_relu(
     Autograd saves a 1-bit mask instead of the convolution's output (and for
     the fused algorithms never materialises that output at all).
     """
+    if isinstance(input, Tensor) and input.dim() == 3:  # unbatched, as F.conv2d takes it
+        return conv2d_div_leaky_relu(
+            input.unsqueeze(0), weight, bias, divisor, negative_slope, stride, padding, dilation,
+            algorithm, allow_tf32,
+        ).squeeze(0)  # fmt: skip
     c = _checked(input, weight, bias, divisor, negative_slope, stride, padding, dilation, algorithm)
     needs_grad = torch.is_grad_enabled() and (
         input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
