@@ -188,6 +188,17 @@ def make_input(n: int, dtype: torch.dtype, device="cuda", seed: int = 0) -> torc
     return xb.view(dtype).to(device)
 
 
+def make_grad(n: int, dtype: torch.dtype, device="cuda", seed: int = 0) -> torch.Tensor:
+    """An upstream gradient of n finite values (normal, times powers of two
+    from 2^-4 to 2^4: in range for every dtype, sums of thousands finite):
+    for the sums a test compares (a bias gradient), which ``make_input``'s
+    special values would make NaN everywhere."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(n, generator=g, dtype=torch.float64)
+    x = x * torch.pow(2.0, torch.randint(-4, 5, (n,), generator=g).double())
+    return x.to(dtype).to(device)
+
+
 def make_inputs(device, dtype=torch.float32, shape=(2, 3, 4, 5), seed: int = 0):
     """(x, bias, dy, t): x of ``shape``, a per-channel bias of ``(shape[1],)`` and
     two more tensors of x's shape (an upstream gradient, a tangent), each from

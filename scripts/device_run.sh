@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# One GPU session: the conformance suite (every row in a fresh subprocess), the
-# rest of the GPU tests, a reduced suite under compute-sanitizer, the benchmark
-# suite (tables, JSON, CSV, plot under $OUT/bench) and the call-overhead table.
+# One device run: the conformance suite (every row in a fresh subprocess), the
+# rest of the GPU tests, every kernel family under compute-sanitizer (memcheck
+# and initcheck with the caching allocators off; racecheck), the deliberate
+# kernel bugs (tests/mutants.py), the benchmark suite (tables, JSON, CSV, plot
+# under $OUT/bench) and the call-overhead table.
 # Logs go to $OUT; a summary is last.
 # Usage (GPU machine, repository root):
-#   [PARTS="conformance tests sanitizer bench overhead selfcheck cold cpu models kernelbench convbench
-#           wgradbench wgradprobe kernellimits"] \
+#   [PARTS="conformance tests sanitizer racecheck mutants bench overhead selfcheck cold cpu models
+#           kernelbench convbench wgradbench wgradprobe kernellimits"] \
 #     [BASE=dir] [OVERHEAD_RUNS=2] [CPU_RUNS=1] \
 #     [TUNE=1] \
 #     bash scripts/device_run.sh
@@ -57,66 +59,94 @@ if has tests; then
   ( timeout 400 $PYTEST -m gpu tests $IGNORE > "$OUT/pytest.log" 2>&1
     echo "rc=$?" >> "$OUT/pytest.log" ) &
 fi
+if has mutants; then  # the deliberate kernel bugs of tests/mutants.py, each to be caught
+  ( timeout ${MUTANTS_TIMEOUT:-450} python3 scripts/mutants.py --kind gpu --json "$OUT/mutants_gpu.json" \
+      > "$OUT/mutants_gpu.log" 2>&1
+    echo "rc=$?" >> "$OUT/mutants_gpu.log" ) &
+fi
 wait
 if has conformance; then
   timeout 200 $PYTEST $CONF -k "not cpu and ($G4)" > "$OUT/conf_g4.log" 2>&1
   echo "rc=$?" >> "$OUT/conf_g4.log"
 fi
 if has sanitizer; then
-  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_ops_gpu.py -k "contiguous-33- or misaligned-129- or step2-31- or transposed-4097- or (test_bias_bit_exact and not large)" \
-    > "$OUT/sanitizer.log" 2>&1
-  echo "sanitizer rc=$?" >> "$OUT/sanitizer.log"
+  # compute-sanitizer sees an access past a tensor only where the tensor is an
+  # allocation of its own: PyTorch's caching allocator and CuPy's memory pool
+  # off (CUPY_ACT_NO_POOL: tests/conftest.py) in every group but "graphs",
+  # whose CUDA-graph captures need the caching allocator. Groups run side by side.
+  san() {  # san LOG TOOL [ENV...] -- PYTEST ARGS...: one group, its exit status last in its log
+    local log=$OUT/$1.log tool=$2; shift 2
+    local envs=(); while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
+    timeout 480 env "${envs[@]}" compute-sanitizer --tool "$tool" --error-exitcode 99 \
+      python3 -m pytest -q -p no:cacheprovider "$@" > "$log" 2>&1
+    echo "rc=$?" >> "$log"
+  }
+  NC=(PYTORCH_NO_CUDA_MEMORY_CACHING=1 CUPY_ACT_NO_POOL=1)
+  # elementwise: whole vectors, single elements, strided views, > 2^16 elements, a bias
+  EW="contiguous-33- or misaligned-129- or step2-31- or transposed-4097- or (test_bias_bit_exact and not large)"
+  san san_elementwise memcheck "${NC[@]}" -- tests/test_ops_gpu.py tests/test_torch_adapter.py \
+    -k "$EW or (cuda and (bias_forward or mask_bit_order))" &
+  # BatchNorm forward and backward, both layouts (and an unaligned one), both memory modes
+  san san_batchnorm memcheck "${NC[@]}" -- tests/test_batchnorm.py \
+    -k "nchw_reductions or running or (accuracy and float32 and (40 or 24)) or save_a_mask" &
   # the fused convolution: masks over broken and whole words, both layouts, odd shapes,
   # the row seams, y at every offset in a 16-byte unit, strided inputs, the
-  # training forward's mask zeroed by a driver call
-  CV="mask_decodes or empty_batch or odd_patch or (accuracy and (case3- or case17-))"
+  # training forward's mask zeroed by a driver call, the tensor-map paths (sm_90a)
+  CV="mask_decodes or empty_batch or odd_patch or (accuracy and (case3- or case17-)) or dilation"
   CV="$CV or (wide_outputs and (wide0 or wide3 or wide4) and dtype0-fused-) or (staged and (dtype0 or dtype2))"
   CV="$CV or row_seams or where_y_starts or strided_views or poisoned_memory"
-  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_conv.py -k "$CV" \
-    > "$OUT/sanitizer_conv.log" 2>&1
-  echo "sanitizer rc=$?" >> "$OUT/sanitizer_conv.log"
-  # the forward's tile in shared memory read back by other warps: the epilogue
-  # tile (mma.sync) or the mask words and the bias (sm_90a), and the rows
-  # staged by cp.async for the next tile (sm_90a)
-  timeout 200 compute-sanitizer --tool racecheck --kernel-name kns=conv2d_kernel --error-exitcode 99 \
-    python3 -m pytest -q -p no:cacheprovider tests/test_conv.py -k "(mask_decodes and float32) or (staged0 and dtype0)" \
-    >> "$OUT/sanitizer_conv.log" 2>&1
-  echo "racecheck rc=$?" >> "$OUT/sanitizer_conv.log"
-  # the fused weight gradient: partial tiles, both layouts, empty batch, many
-  # splits, row rings over strides, dilations and image boundaries
+  san san_conv memcheck "${NC[@]}" -- tests/test_conv.py -k "$CV" &
+  # the weight gradient: partial tiles, both layouts, empty batch, many splits,
+  # bulk and tensor copies, the sm_90a warpgroup kernel, unaligned dy
   WG="(accuracy and (case3- or case17-)) or non_finite or empty or repeats or unaligned"
   WG="$WG or ((wide1 or wide3 or wide4) and dtype0-fused-) or ((bulk0 or bulk1 or bulk2) and dtype0-fused)"
-  WG="$WG or ((bulk3 or bulk4) and dtype2)"  # 16-bit tensor copies: two column tiles, two rows per tile
-  # sm_90a warpgroup kernel: 3 column tiles and chunks, one-row output, dy by plain loads, 16-bit
-  WG="$WG or (warpgroup and (wg2 or wg3 or wg4) and dtype0 and not tf32) or (warpgroup and wg0 and dtype2)"
-  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_conv_wgrad.py -k "$WG" >> "$OUT/sanitizer_conv.log" 2>&1
-  echo "sanitizer rc=$?" >> "$OUT/sanitizer_conv.log"
+  WG="$WG or ((bulk3 or bulk4) and dtype2) or (warpgroup and (wg2 or wg3 or wg4) and dtype0 and not tf32)"
+  WG="$WG or (warpgroup and wg0 and dtype2) or (tensor_copies and dtype0)"
+  san san_wgrad memcheck "${NC[@]}" -- tests/test_conv_wgrad.py -k "$WG" &
+  # the input gradient: odd shapes, column tiles, runs of rows over image edges, unaligned dy
+  DG="(accuracy and (case0- or case5- or case9-) and dtype0-fused-) or non_finite or unaligned or empty"
+  DG="$DG or ((wide1 or wide2 or wide4) and dtype0-fused-) or staged_and_plain"
+  san san_dgrad memcheck "${NC[@]}" -- tests/test_conv_dgrad.py -k "$DG" &
+  # every entry point given mismatched tensors (the mismatch table's CUDA cases)
+  san san_mismatch memcheck "${NC[@]}" -- tests/test_mismatched_inputs.py -m gpu &
+  # initcheck where buffers are zeroed or filled for a kernel: masks (elementwise,
+  # the convolution's training forward), the weight gradient's split partials,
+  # BatchNorm's counters and partial sums
+  san init_masks initcheck "${NC[@]}" -- tests/test_ops_gpu.py tests/test_conv.py \
+    -k "contiguous-33- or misaligned-129- or poisoned_memory or (mask_decodes and float32)" &
+  san init_wgrad initcheck "${NC[@]}" -- tests/test_conv_wgrad.py \
+    -k "(accuracy and (case3- or case17-) and dtype0-fused-) or repeats" &
+  san init_batchnorm initcheck "${NC[@]}" -- tests/test_batchnorm.py \
+    -k "nchw_reductions or (accuracy and float32 and 40 and contiguous)" &
+  # CUDA graphs: captures need the caching allocator, so it stays on here
+  san san_graphs memcheck -- tests/test_batchnorm.py tests/test_conv.py tests/test_torch_cuda.py \
+    -k "cuda_graph" &
+  wait
+  # The control: with the checks taken out (two mutants, tests/mutants.py), the
+  # mismatched BatchNorm reads past its buffers, and memcheck must say so.
+  san san_control memcheck "${NC[@]}" CUPY_ACT_MUTANT=bn_channel_check_dropped,launcher_checks_dropped \
+    -- tests/test_mismatched_inputs.py -k "cuda and mismatch and channels_32-train-default"
+fi
+if has racecheck; then
+  # the forward's tile in shared memory read back by other warps: the epilogue
+  # tile (mma.sync) or the mask words and the bias (sm_90a), and the rows
+  # staged by cp.async for the next tile (sm_90a); the weight and input
+  # gradients' shared tiles; BatchNorm's block reductions
+  timeout 200 compute-sanitizer --tool racecheck --kernel-name kns=conv2d_kernel --error-exitcode 99 \
+    python3 -m pytest -q -p no:cacheprovider tests/test_conv.py -k "(mask_decodes and float32) or (staged0 and dtype0)" \
+    > "$OUT/racecheck.log" 2>&1
+  echo "rc=$?" >> "$OUT/racecheck.log"
   timeout 300 compute-sanitizer --tool racecheck --kernel-name kns=conv2d_wgrad --error-exitcode 99 \
     python3 -m pytest -q -p no:cacheprovider tests/test_conv_wgrad.py -k "((wide1 or wide3 or case3-) and dtype0-fused-) or (bulk2 and dtype0-fused) or (warpgroup and (wg2 or wg4) and dtype0 and not tf32)" \
-    >> "$OUT/sanitizer_conv.log" 2>&1
-  echo "racecheck rc=$?" >> "$OUT/sanitizer_conv.log"
-  # the fused input gradient: odd shapes, column tiles, runs of rows over
-  # image boundaries, unaligned dy, non-finite values, the row sums' barriers
-  DG="(accuracy and (case0- or case5- or case9-) and dtype0-fused-) or non_finite or unaligned or empty"
-  DG="$DG or ((wide1 or wide2 or wide4) and dtype0-fused-)"
-  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_conv_dgrad.py -k "$DG" >> "$OUT/sanitizer_conv.log" 2>&1
-  echo "sanitizer rc=$?" >> "$OUT/sanitizer_conv.log"
+    >> "$OUT/racecheck.log" 2>&1
+  echo "rc=$?" >> "$OUT/racecheck.log"
   timeout 300 compute-sanitizer --tool racecheck --kernel-name kns=conv2d_dgrad --error-exitcode 99 \
     python3 -m pytest -q -p no:cacheprovider tests/test_conv_dgrad.py -k "(wide1 or case5-) and dtype0-fused-" \
-    >> "$OUT/sanitizer_conv.log" 2>&1
-  echo "racecheck rc=$?" >> "$OUT/sanitizer_conv.log"
-  # the fused BatchNorm: NCHW counters (the last block per channel finishes it), both layouts
-  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_batchnorm.py -k "nchw_reductions or cuda_graphs or (accuracy and float32 and 40)" \
-    > "$OUT/sanitizer_bn.log" 2>&1
-  echo "sanitizer rc=$?" >> "$OUT/sanitizer_bn.log"
+    >> "$OUT/racecheck.log" 2>&1
+  echo "rc=$?" >> "$OUT/racecheck.log"
   timeout 200 compute-sanitizer --tool racecheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_batchnorm.py -k "nchw_reductions" >> "$OUT/sanitizer_bn.log" 2>&1
-  echo "racecheck rc=$?" >> "$OUT/sanitizer_bn.log"
+    tests/test_batchnorm.py -k "nchw_reductions" >> "$OUT/racecheck.log" 2>&1
+  echo "rc=$?" >> "$OUT/racecheck.log"
 fi
 if has bench; then
   timeout ${BENCH_TIMEOUT:-330} python3 scripts/bench.py --out "$OUT/bench" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
@@ -184,9 +214,10 @@ for f in conf_g1 conf_g2 conf_g3 conf_g4 pytest_conv pytest; do
   [ -f "$OUT/$f.log" ] && { echo "-- $f"; grep -E "passed|failed|rc=" "$OUT/$f.log" | tail -n 2;
     grep -E "^FAILED|^ERROR" "$OUT/$f.log" | head -20; }
 done
-[ -f "$OUT/sanitizer.log" ] && grep -E "ERROR SUMMARY|passed|failed|rc=" "$OUT/sanitizer.log" | tail -n 4
-[ -f "$OUT/sanitizer_conv.log" ] && grep -E "ERROR SUMMARY|passed|failed|rc=" "$OUT/sanitizer_conv.log" | tail -n 4
-[ -f "$OUT/sanitizer_bn.log" ] && grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|rc=" "$OUT/sanitizer_bn.log" | tail -n 8
+for f in "$OUT"/san_*.log "$OUT"/init_*.log "$OUT"/racecheck.log; do
+  [ -f "$f" ] && { echo "-- $(basename "$f" .log)"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|rc=" "$f" | tail -n 8; }
+done
+[ -f "$OUT/mutants_gpu.log" ] && sed -n '/^| mutant/,$p' "$OUT/mutants_gpu.log"
 [ -f "$OUT/conv.log" ] && grep -E "fwd|PASS|MISS" "$OUT/conv.log"
 [ -f "$OUT/bench.log" ] && grep -E "^  (PASS|MISS)|targets met|conv" "$OUT/bench.log"
 [ -f "$OUT/overhead.log" ] && grep -E "^==|fwd|floor|in place|_relu|anchors" "$OUT/overhead.log"

@@ -111,8 +111,17 @@ def cases() -> list[Case]:
 
 
 def data(device, dtype=torch.float32, seed=0, shape=SHAPE):
-    """x, bias, and two more tensors of x's shape (an upstream gradient, a tangent)."""
-    return testing.make_inputs(device, dtype, shape, seed)
+    """x and bias (with special values), a finite upstream gradient (a bias
+    gradient is a sum over it: special values would make it NaN, and NaN
+    compares nothing) and a tangent of x's shape."""
+    x, b, _, t = testing.make_inputs(device, dtype, shape, seed)
+    return x, b, testing.make_grad(x.numel(), dtype, device, seed + 2).view(x.shape), t
+
+
+def special_grad(device, dtype=torch.float32, seed=0, shape=SHAPE):
+    """An upstream gradient with special values (NaN, infinities, signed
+    zeros, subnormals): for y and dx, in a case of its own."""
+    return testing.make_inputs(device, dtype, shape, seed)[2]
 
 
 def same(actual, expected, what):
@@ -142,6 +151,8 @@ def fwd_bwd(f, x, b, dy, wrt_bias=True, via_backward=False):
         grads = torch.autograd.grad(y, (xr, br) if wrt_bias else (xr,), dy, allow_unused=True)
     if wrt_bias and grads[1] is None:  # ops without a bias
         grads = (grads[0], torch.zeros_like(b))
+    if wrt_bias and dy.isfinite().all():  # (the data exercises the bias gradient compared)
+        assert grads[1].isfinite().all(), "a finite dy gave a bias gradient with NaN"
     # copies: under reduce-overhead, outputs live in the CUDA-graph pool and the
     # next compiled function's replay (the reference's) would overwrite them
     return y.detach().clone(), tuple(None if g is None else g.clone() for g in grads)
@@ -162,22 +173,27 @@ def check_fwd_bwd(
     through ``ref_wrap`` (default: the same wrap)."""
     ref_wrap = wrap if ref_wrap is None else ref_wrap
     x, b, dy, _ = data(device)
+    special = special_grad(device)
 
     def clone_first(f):
         return lambda u, v: f(u.clone(), v)
 
     for c in cases():
-        compare(
-            fwd_bwd(wrap(c.ours), x, b, dy, **kw),
-            fwd_bwd(ref_wrap(c.ref), x, b, dy, **kw),
-            f"{what} {c.name}",
-        )
+        pairs = [(c.ours, c.ref, "")]
         if in_place and c.ours_ is not None:
+            pairs.append((clone_first(c.ours_), clone_first(c.ref_), " in place"))
+        for ours, ref, tag in pairs:
             compare(
-                fwd_bwd(wrap(clone_first(c.ours_)), x, b, dy, **kw),
-                fwd_bwd(ref_wrap(clone_first(c.ref_)), x, b, dy, **kw),
-                f"{what} {c.name} in place",
+                fwd_bwd(wrap(ours), x, b, dy, **kw),
+                fwd_bwd(ref_wrap(ref), x, b, dy, **kw),
+                f"{what} {c.name}{tag}",
             )
+            # special values in dy: y and dx (the bias gradient would be NaN)
+            (y, grads), (ry, rgrads) = (
+                fwd_bwd(wrap(ours), x, b, special, **kw),
+                fwd_bwd(ref_wrap(ref), x, b, special, **kw),
+            )
+            same((y, grads[0]), (ry, rgrads[0]), f"{what} {c.name}{tag}, special dy")
 
 
 def mlp(ours: bool, seed=0) -> nn.Module:
@@ -970,6 +986,9 @@ def main(argv) -> int:
     global ct, testing
     name, device = argv
     r = ROWS[name]
+    import mutants  # (a deliberate bug where CUPY_ACT_MUTANT names one: tests/mutants.py)
+
+    mutants.apply_from_env()
     if not r.own_imports:
         import cupy_act.testing as testing_module
         import cupy_act.torch as ct_module

@@ -24,6 +24,23 @@ def _gpu_count() -> int:
 GPU_COUNT = _gpu_count()
 
 
+def pytest_configure(config):
+    """Deliberate bugs (tests/mutants.py) where CUPY_ACT_MUTANT names them
+    (scripts/mutants.py runs the tests so, once per mutant); CuPy's memory
+    pool off where CUPY_ACT_NO_POOL=1 (compute-sanitizer sees an access past
+    an array only where the array is an allocation of its own; PyTorch's
+    caching allocator is turned off by PYTORCH_NO_CUDA_MEMORY_CACHING=1)."""
+    import mutants
+
+    for m in mutants.apply_from_env():
+        print(f"mutant applied: {m.name} ({m.what})")
+    if os.environ.get("CUPY_ACT_NO_POOL") == "1":
+        import cupy
+
+        cupy.cuda.set_allocator(None)
+        cupy.cuda.set_pinned_memory_allocator(None)
+
+
 def pytest_collection_modifyitems(config, items):
     if GPU_COUNT:
         return

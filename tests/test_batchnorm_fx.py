@@ -183,8 +183,9 @@ def test_sync_batchnorm_and_shared_modules_are_left():
 @pytest.mark.gpu
 def test_fused_graph_runs_the_kernels_on_cuda():
     """On CUDA the fused modules run the kernels (float32 accuracy, not bit
-    equality) in both memory modes: two training steps' losses within 1e-4 of
-    the model's."""
+    equality) in both memory modes: two training steps' outputs, gradients
+    and running statistics each within 1e-3 of the model's (relative to its
+    largest value), the counts equal."""
     torch.manual_seed(0)
     model = TinyResNet(act=lambda: nn.LeakyReLU(0.1)).cuda()
     xs = [torch.randn(8, 3, 16, 16, device="cuda") for _ in range(2)]
@@ -202,5 +203,9 @@ def test_fused_graph_runs_the_kernels_on_cuda():
         finally:
             ct.batchnorm._apply_fused = apply
         assert len(calls) == 2 * len(FUSED), memory
-        for a, e in zip(got[:1], want[:1]):  # (the first step's outputs)
-            assert (a - e).abs().max().item() <= 1e-4 * e.abs().max().item(), memory
+        assert len(got) == len(want)
+        for i, (a, e) in enumerate(zip(got, want)):
+            assert a.shape == e.shape, (memory, i)
+            err = (a.double() - e.double()).abs().max().item()
+            assert err <= 1e-3 * e.abs().max().item(), (memory, i, err)
+        assert torch.equal(got[-1], want[-1]), memory  # (num_batches_tracked)

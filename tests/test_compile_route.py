@@ -218,17 +218,19 @@ TORCH_CHAIN = _chain(torch.relu, TF.leaky_relu, _torch_div)
 @pytest.mark.parametrize("dtype", COMPILE_DTYPES, ids=lambda d: str(d)[6:])
 def test_inductor_gives_compiled_pytorch_bits(dtype, device):
     """Inductor (C++ on the CPU, Triton on CUDA): ours compiled equals PyTorch's
-    activations compiled, forward and gradients, on special values."""
+    activations compiled, forward and gradients, on special values in x and
+    dy; the bias gradient also from a finite dy, where it is a number to
+    compare (a sum over NaNs is NaN in both)."""
     x, b, dy = data(device, dtype, shape=(4, 8, 6, 10))
+    finite = testing.make_grad(dy.numel(), dtype, device, 7).view(dy.shape)
     torch._dynamo.reset()
-    got = fwd_bwd(torch.compile(OURS_CHAIN, fullgraph=True), x, b, dy)
-    want = fwd_bwd(torch.compile(TORCH_CHAIN, fullgraph=True), x, b, dy)
-    for a, e, what in zip(got, want, ("y", "dx", "dbias")):
-        testing.assert_bits_equal(a, e, f"{dtype} {what}")
-    eager = fwd_bwd(TORCH_CHAIN, x, b, dy)
-    # where Inductor keeps eager PyTorch's bits, ours compiled does too
-    same = testing.bits(want[0]) == testing.bits(eager[0])
-    assert torch.equal(testing.bits(got[0])[same], testing.bits(eager[0])[same])
+    ours = torch.compile(OURS_CHAIN, fullgraph=True)
+    theirs = torch.compile(TORCH_CHAIN, fullgraph=True)
+    for upstream, tag in ((dy, "special"), (finite, "finite")):
+        got, want = fwd_bwd(ours, x, b, upstream), fwd_bwd(theirs, x, b, upstream)
+        for a, e, what in zip(got, want, ("y", "dx", "dbias")):
+            testing.assert_bits_equal(a, e, f"{dtype} {what} ({tag} dy)")
+    assert want[2].isfinite().all()  # (the finite dy's bias gradient: numbers compared)
 
 
 def _conv_cases():

@@ -277,11 +277,19 @@ def test_torch_api_refuses_non_tensors():
 @pytest.mark.parametrize("xs, ws, stride, padding, dilation", GEOMETRIES[:3])
 def test_cpu_every_algorithm_is_eager(algorithm, xs, ws, stride, padding, dilation):
     """On the CPU every algorithm falls back to PyTorch's convolution: bit for
-    bit the eager block, with gradients."""
+    bit the eager block (in channels-last layout for "channels_last"), with
+    gradients (x, weight, bias)."""
     x, w, b = _xwb(xs, ws)
-    ref = block(x, w, b, stride, padding, dilation)
-    y = ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, SLOPE, stride, padding, dilation, algorithm)
+    cl = algorithm == "channels_last"
+    leaves = [t.clone().requires_grad_() for t in (_layout(x, cl), _layout(w, cl), b)]
+    ref = block(*leaves, stride, padding, dilation)
+    ours = [t.clone().requires_grad_() for t in (x, w, b)]
+    y = ct.conv2d_div_leaky_relu(*ours, DIVISOR, SLOPE, stride, padding, dilation, algorithm)
     testing.assert_bits_equal(y, ref.contiguous(memory_format=_fmt(y)), algorithm)
+    gy = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
+    want = torch.autograd.grad(ref, leaves, gy)
+    for a, e, what in zip(torch.autograd.grad(y, ours, gy), want, ("x", "weight", "bias")):
+        testing.assert_bits_equal(a, e.contiguous(memory_format=_fmt(a)), f"{algorithm} d{what}")
 
 
 def _fmt(y):
@@ -349,27 +357,41 @@ CASES = random_cases(40)
 EPS = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 
 
-def bound(x, w, b, stride, padding, dilation, dtype, tf32):
+def bound(x, w, b, stride, padding, dilation, dtype, tf32, slope=SLOPE):
     """Per-element error bound against the float64 reference.
 
-    Products: |a b| 2^-20 for the 3xTF32 split (below its worst case, 5 *
-    2^-22 with every error of one sign, see conv2d.cu, which the errors of
-    random data do not reach), 2^-10 for TF32, summed: the float64
-    convolution of |x| and |w| scales it; the float32 accumulation adds K eps
-    |.| on the same scale; rounding the output and the epilogue's three
-    roundings add 4 ulp of the output type.
+    Before the activation, z = (conv + bias) / d: products |a b| 2^-20 for
+    the 3xTF32 split (below its worst case, 5 * 2^-22 with every error of one
+    sign, see conv2d.cu, which the errors of random data do not reach),
+    2^-10 for TF32, summed: the float64 convolution of |x| and |w| scales it;
+    the float32 accumulation adds K eps |.| on the same scale, the
+    epilogue's roundings 4 ulp of the output type on it. The activation
+    scales z's error by its slope where z < 0 (by 1 where the error could
+    cross zero), so that a wrong slope cannot hide in z's bound; rounding
+    the output adds 4 ulp of it.
     """
     xd, wd = x.double(), w.double()
-    mag = F.conv2d(xd.abs(), wd.abs(), b.double().abs(), stride, padding, dilation)
+    mag = F.conv2d(xd.abs(), wd.abs(), b.double().abs(), stride, padding, dilation) / abs(DIVISOR)
     k = w[0].numel()
     prod = 2.0**-10 if tf32 else 2.0**-20
-    scale = (prod + (k + 2) * 2.0**-24) * mag / abs(DIVISOR)
-    ref = block(xd, wd, b.double(), stride, padding, dilation)
-    return ref, scale + 4 * EPS[dtype] * (ref.abs() + mag / abs(DIVISOR)) + 1e-30
+    z = F.conv2d(xd, wd, b.double(), stride, padding, dilation) / DIVISOR
+    pre = (prod + (k + 2) * 2.0**-24 + 4 * EPS[dtype]) * mag
+    factor = torch.where((z < 0) & (z.abs() > pre), abs(slope), 1.0)
+    ref = F.leaky_relu(z, slope)
+    return ref, factor * pre + 4 * EPS[dtype] * ref.abs() + 1e-30
 
 
 def _layout(t, cl):
     return t.contiguous(memory_format=torch.channels_last) if cl else t
+
+
+def negative_only(gy, x, w, b, stride=1, padding=0, dilation=1):
+    """gy where the block's float64 output is negative, else 0: a gradient
+    made entirely of the slope's branch."""
+    bd = None if b is None else b.double()
+    y = block(x.double(), w.double(), bd, stride, padding, dilation)
+    assert (y < 0).any() and (y > 0).any()
+    return torch.where(y < 0, gy, torch.zeros_like(gy))
 
 
 # (dtype, algorithm) pairs of the fused kernels' accuracy grids
@@ -400,6 +422,24 @@ def _check_accuracy(shape, seed, dtype, algorithm, cl):
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[f"case{i}" for i in range(len(CASES))])
 def test_fused_forward_accuracy(case, dtype, algorithm, cl):
     _check_accuracy(CASES[case], case, dtype, algorithm, cl)
+
+
+# Dilated geometries: (x shape, w shape, stride, padding, dilation)
+DILATED = [
+    ((2, 4, 17, 25), (9, 4, 3, 3), 1, 2, 2),
+    ((1, 3, 30, 31), (16, 3, 5, 3), (2, 1), 1, (3, 2)),
+    ((2, 8, 20, 20), (64, 8, 3, 3), 1, 0, (1, 4)),
+]
+
+
+@gpu
+@pytest.mark.parametrize("cl", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype, algorithm", FUSED_KINDS)
+@pytest.mark.parametrize("case", range(len(DILATED)), ids=[f"dilated{i}" for i in range(3)])
+def test_fused_forward_with_dilation_within_the_bound(case, dtype, algorithm, cl):
+    """Dilations above 1 in one or both directions: every element within the
+    float64 bound (a kernel that ignored the dilation would read other rows)."""
+    _check_accuracy(DILATED[case], 500 + case, dtype, algorithm, cl)
 
 
 # One-pass shapes whose patch (words, with the zero plane) is odd and, with
@@ -1020,9 +1060,10 @@ def test_fused_forward_bits_do_not_depend_on_where_y_starts(case, precision):
         assert torch.equal(y, y0) and torch.equal(mask, m0)
     bits = _impl.mask_to_bits(m0.cpu(), tuple(g.out_shape), False)
     assert torch.equal(bits, (y0.view(torch.float32) > 0).cpu())
-    ref = block(x.double(), w.double(), b.double(), *ALIGN_CASES[case][2:4])
-    err = (y0.view(torch.float32).double() - ref).abs().max().item()
-    assert err <= (1e-2 if precision == "tf32" else 1e-5) * max(1.0, ref.abs().max().item())
+    _, _, stride, padding, dilation = ALIGN_CASES[case]
+    ref, tol = bound(x, w, b, stride, padding, dilation, torch.float32, precision == "tf32")
+    err = (y0.view(torch.float32).double() - ref).abs()
+    assert (err <= tol).all(), f"{(err / tol).max().item():.2f}x the bound"
 
 
 @gpu
@@ -1107,15 +1148,20 @@ def test_mask_decodes_to_the_backward_bits(xs, ws, padding, cl, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cl", [False, True], ids=["nchw", "nhwc"])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_fused_gradients_match_eager(dtype, cl, with_bias):
+@pytest.mark.parametrize("upstream", ["all", "negative"])
+def test_fused_gradients_match_eager(dtype, cl, with_bias, upstream):
     """Gradients of x, weight and bias within FP32 (bfloat16) accuracy of eager's;
-    what autograd saves is x, the weight and a 1-bit mask."""
+    what autograd saves is x, the weight and a 1-bit mask. ``negative``: dy
+    only where the output is negative, so that the whole gradient goes
+    through the slope (a wrong slope cannot hide in the norm)."""
     torch.backends.cudnn.allow_tf32 = False
     try:
         x0, w0, b0 = _xwb((2, 6, 23, 17), (10, 6, 3, 3), "cuda", dtype)
         x0, w0 = _layout(x0, cl), _layout(w0, cl)
         b0 = b0 if with_bias else None
         gy = torch.randn(2, 10, 12, 9, device="cuda", dtype=dtype)
+        if upstream == "negative":
+            gy = negative_only(gy, x0, w0, b0, 2, 1)
         grads = []
         for alg in ("reference", "fused"):
             x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()

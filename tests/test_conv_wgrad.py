@@ -32,6 +32,7 @@ from test_conv import (  # noqa: E402
     _layout,
     _record_launches,
     _xwb,
+    negative_only,
 )
 
 import cupy_act.torch as ct  # noqa: E402
@@ -612,12 +613,19 @@ def _assert_close(ours, ref, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cl", [False, True], ids=["nchw", "nhwc"])
 @pytest.mark.parametrize("needs", ["weight_and_bias", "weight", "bias"])
-def test_autograd_without_an_input_gradient_takes_the_fused_pass(dtype, cl, needs, monkeypatch):
+@pytest.mark.parametrize("upstream", ["all", "negative"])
+def test_autograd_without_an_input_gradient_takes_the_fused_pass(
+    dtype, cl, needs, upstream, monkeypatch
+):
     """Through autograd, x needing no gradient: the fused weight gradient, not
     the mask backward (counted), switched on and by default (one chunk: 6 x 9
     <= 72; not 16-bit channels-last), within FP32 (bfloat16) accuracy of the
-    previous path (mask backward + PyTorch's convolution backward, switched off)."""
+    previous path (mask backward + PyTorch's convolution backward, switched
+    off). ``negative``: dy only where the output is negative, so that the
+    whole gradient goes through the slope (a wrong one cannot hide in the norm)."""
     x0, w0, b0, gy = _block_inputs(dtype, cl)
+    if upstream == "negative":
+        gy = negative_only(gy, x0, w0, b0, 2, 1)
     calls = _count_calls(monkeypatch, _impl, "backward")
     grads = {}
     torch.backends.cudnn.allow_tf32 = False
@@ -646,8 +654,8 @@ def test_autograd_without_an_input_gradient_takes_the_fused_pass(dtype, cl, need
 @pytest.mark.parametrize("cl", [False, True], ids=["nchw", "nhwc"])
 def test_autograd_with_an_input_gradient_takes_the_kernel_for_the_weight(dtype, cl, monkeypatch):
     """x needing a gradient too: the weight and bias gradients from the kernel
-    (counted), the input gradient from dz and cuDNN as before (the same
-    values); switched off, the previous path."""
+    (counted), the input gradient from dz and cuDNN as before; switched off,
+    the previous path; all three within FP32 (bfloat16) accuracy of it."""
     x0, w0, b0, gy = _block_inputs(dtype, cl)
     calls = _count_calls(monkeypatch, conv, "fused_wgrad")
     grads = {}

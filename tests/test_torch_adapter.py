@@ -138,20 +138,27 @@ def test_bias_forward_and_gradients(shape, channels_last, dtype, device):
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     b = testing.make_input(shape[1], dtype, device, 4)
-    dy = testing.make_input(x.numel(), dtype, device, 5).view(x.shape)
     xr, br = x.clone().requires_grad_(True), b.clone().requires_grad_(True)
     y = ct.div_leaky_relu(xr, 2.0, 0.1, bias=br)
     assert_bits_equal(y, testing.forward("div_leaky_relu", x, 0.1, 2.0, b), "forward")
-    dx, db = torch.autograd.grad(y, (xr, br), dy)
-    # (the reference's x.clone() is contiguous; ours keeps channels-last, which on
-    # the CPU changes PyTorch's NaN payloads, so compare that layout on CUDA only)
-    if device == "cuda" or not channels_last:
-        assert_bits_equal(dx, testing.backward("div_leaky_relu", x, dy, 0.1, 2.0, b), "dx")
+    # dy with special values (dx) and finite (the bias gradient: a sum over NaN
+    # would be NaN, and NaN compares nothing)
+    special = testing.make_input(x.numel(), dtype, device, 5).view(x.shape)
+    finite = testing.make_grad(x.numel(), dtype, device, 6).view(x.shape)
+    for dy in (special, finite):
+        dx, db = torch.autograd.grad(y, (xr, br), dy, retain_graph=True)
+        # (the reference's x.clone() is contiguous; ours keeps channels-last, which on
+        # the CPU changes PyTorch's NaN payloads, so compare that layout on CUDA only)
+        if device == "cuda" or not channels_last:
+            assert_bits_equal(dx, testing.backward("div_leaky_relu", x, dy, 0.1, 2.0, b), "dx")
     xe, be = x.clone().requires_grad_(True), b.clone().requires_grad_(True)
     ye = TF.leaky_relu((xe + be.view(1, -1, 1, 1)) / 2.0, 0.1)
-    _, db_e = torch.autograd.grad(ye, (xe, be), dy)
-    finite = db_e.isfinite()
-    torch.testing.assert_close(db[finite], db_e[finite], rtol=2e-2, atol=1e-3)
+    _, db_e = torch.autograd.grad(ye, (xe, be), finite)
+    assert db_e.isfinite().all()
+    # the same sum of the same dx, up to the order a layout gives it
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, 1e-2)
+    torch.testing.assert_close(db, db_e, rtol=tol, atol=tol * db_e.abs().max().item())
+    assert_bits_equal(db, db_e, "db")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -355,3 +362,23 @@ def test_autocast_keeps_dtype_and_checkpoint_works(device):
     (g1,) = torch.autograd.grad(checkpoint(f, x, use_reentrant=False).sum(), x)
     (g2,) = torch.autograd.grad(f(x).sum(), x)
     assert torch.equal(g1, g2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "offset"])
+@pytest.mark.parametrize("n", [1000, 4096])
+def test_mask_bit_order_is_numpys_little_endian(n, offset, device):
+    """Element i's bit is bit i % 8 of byte i / 8 (numpy.packbits with
+    bitorder="little"), the padding zeros: whether the kernels take whole
+    vectors (aligned) or single elements (offset), and on the CPU."""
+    import numpy
+
+    from cupy_act.torch import _impl
+
+    x = testing.make_input(n + offset, torch.float32, device, 11)[offset:]
+    for op in ("relu", "leaky_relu"):
+        _, mask = _impl.forward_mask(x, op, 0.1, 1.0, None)
+        bits = testing.mask_bits(op, x).cpu().numpy()
+        want = numpy.zeros(cupy_act.mask_nbytes(n), dtype=numpy.uint8)
+        want[: (n + 7) // 8] = numpy.packbits(bits, bitorder="little")
+        assert numpy.array_equal(mask.cpu().numpy(), want), op
