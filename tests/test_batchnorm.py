@@ -377,9 +377,9 @@ def test_fused_kernels_accuracy_and_determinism(
 ):
     """Training and eval steps against float64: errors at most twice eager
     PyTorch's plus FLOOR; the in-place mode's gradients, which recover xhat
-    from the rounded y as (z - b) / w, within 4 u A more (u: the dtype's unit
+    from the rounded y as (z - b) / w, within 8 u A more (u: the dtype's unit
     roundoff, A = max over channels of max |xhat| + 2 |b / w|: the
-    inversion's amplification),
+    inversion's amplification; xhat's error enters dx twice),
     and its outputs and statistics the default mode's bit for bit; two runs,
     the same bits."""
     monkeypatch.setattr(ct.batchnorm, "FUSED_CHANNELS_LAST", True)
@@ -410,7 +410,8 @@ def test_fused_kernels_accuracy_and_determinism(
         xhat = (xd - xd.mean(dims, keepdim=True)).abs().amax(dims) / xd.var(
             dims, unbiased=False
         ).sqrt()
-        extra = 4 * UNIT[dtype] * (xhat + 2 * (b / w).abs()).max().item()
+        # xhat's error, up to 4 u A, enters dx twice (through xhat and the mean of dz xhat)
+        extra = 8 * UNIT[dtype] * (xhat + 2 * (b / w).abs()).max().item()
         base = _fused_steps(default, x, gy)
         per_step = 2 + len(list(ours.parameters()))
         for i in [k * per_step for k in range(3)] + [-3, -2, -1]:  # outputs, buffers

@@ -185,7 +185,7 @@ def test_fused_graph_runs_the_kernels_on_cuda():
     """On CUDA the fused modules run the kernels (float32 accuracy, not bit
     equality) in both memory modes: two training steps' outputs, gradients
     and running statistics each within 1e-3 of the model's (relative to its
-    largest value), the counts equal."""
+    largest value, plus 1e-6), the counts equal."""
     torch.manual_seed(0)
     model = TinyResNet(act=lambda: nn.LeakyReLU(0.1)).cuda()
     xs = [torch.randn(8, 3, 16, 16, device="cuda") for _ in range(2)]
@@ -206,6 +206,7 @@ def test_fused_graph_runs_the_kernels_on_cuda():
         assert len(got) == len(want)
         for i, (a, e) in enumerate(zip(got, want)):
             assert a.shape == e.shape, (memory, i)
+            # (1e-6 absolute: gradients that are zero but for rounding, ~1e-8 here)
             err = (a.double() - e.double()).abs().max().item()
-            assert err <= 1e-3 * e.abs().max().item(), (memory, i, err)
+            assert err <= 1e-3 * e.abs().max().item() + 1e-6, (memory, i, err)
         assert torch.equal(got[-1], want[-1]), memory  # (num_batches_tracked)
