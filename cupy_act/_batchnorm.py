@@ -13,7 +13,7 @@ import threading
 from typing import NamedTuple
 
 from . import _launch, _loader
-from ._kernels import CTYPES
+from ._kernels import CTYPES, ITEMSIZE
 
 SOURCE = "batchnorm.cu"
 THREADS = 256  # kBnThreads
@@ -217,9 +217,6 @@ def prepare(s: Shape, pointers: int, which: str) -> Pass:
         _passes.clear()
     _passes[(s, aligned, which)] = found
     return found
-
-
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def _need(s: Shape, p: Plan, which: str) -> Buffers:

@@ -796,10 +796,15 @@ class ForwardLaunch(NamedTuple):
         caller); ``have``: the bytes of x, w, bias, y and the mask, each
         compared with what the kernel indexes (``check_extents``)."""
         n = self.need
-        check_extents("forward", self.g, (
-            ("x", x, have[0], n.x), ("weight", w, have[1], n.w), ("bias", bias, have[2], n.bias),
-            ("y", y, have[3], n.y), ("mask", mask, have[4], max(n.mask, zero_bytes)),
-        ))  # fmt: skip
+        if (  # (inline on the hot path: check_extents names what falls short)
+            have[0] < n.x or have[1] < n.w or have[3] < n.y
+            or (bias and have[2] < n.bias) or (mask and have[4] < max(n.mask, zero_bytes))
+        ):  # fmt: skip
+            check_extents("forward", self.g, (
+                ("x", x, have[0], n.x), ("weight", w, have[1], n.w),
+                ("bias", bias, have[2], n.bias), ("y", y, have[3], n.y),
+                ("mask", mask, have[4], max(n.mask, zero_bytes)),
+            ))  # fmt: skip
         if zero_bytes:
             _launch.zero(self.main.ctx, mask, zero_bytes, stream)
         if self.tmap is not None and self.x_map is not None and x % 16 == 0:

@@ -190,19 +190,26 @@ def test_fused_graph_runs_the_kernels_on_cuda():
     model = TinyResNet(act=lambda: nn.LeakyReLU(0.1)).cuda()
     xs = [torch.randn(8, 3, 16, 16, device="cuda") for _ in range(2)]
     ts = [torch.randint(0, 10, (8,), device="cuda") for _ in range(2)]
-    want = _steps(copy.deepcopy(model), xs, ts)
-    for memory in ("default", "inplace"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            gm, _ = ct.fuse_batchnorm_act_fx(copy.deepcopy(model), memory=memory)
-        calls = []
-        apply = ct.batchnorm._apply_fused
-        ct.batchnorm._apply_fused = lambda *a: calls.append(1) or apply(*a)
-        try:
-            got = _steps(gm, xs, ts)
-        finally:
-            ct.batchnorm._apply_fused = apply
-        assert len(calls) == 2 * len(FUSED), memory
+    # (convolutions in float32, not TF32: the comparison is of the BatchNorms')
+    tf32, torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.allow_tf32, False
+    try:
+        want = _steps(copy.deepcopy(model), xs, ts)
+        runs = {}
+        for memory in ("default", "inplace"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                gm, _ = ct.fuse_batchnorm_act_fx(copy.deepcopy(model), memory=memory)
+            calls = []
+            apply = ct.batchnorm._apply_fused
+            ct.batchnorm._apply_fused = lambda *a: calls.append(1) or apply(*a)
+            try:
+                runs[memory] = _steps(gm, xs, ts), len(calls)
+            finally:
+                ct.batchnorm._apply_fused = apply
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+    for memory, (got, calls) in runs.items():
+        assert calls == 2 * len(FUSED), memory
         assert len(got) == len(want)
         for i, (a, e) in enumerate(zip(got, want)):
             assert a.shape == e.shape, (memory, i)

@@ -25,10 +25,11 @@ def _like(x: Tensor) -> Tensor:
     return torch.empty_like(_impl.arrange(x, _impl.is_channels_last(x)))
 
 
-# The ops are public (``torch.ops.cupy_act.*``): each implementation checks
-# its arguments as the Python functions do before anything reaches a kernel.
-# (The Python functions call them with checked arguments only under
-# torch.compile or torch.func, where a call's host time is not the eager one's.)
+# The ops are public (``torch.ops.cupy_act.*``): each implementation (and
+# fake) checks its arguments as the Python functions do before anything
+# reaches a kernel. (Eager calls of those functions go to _impl after their
+# own checks; these ops run under torch.compile and in the convolution's
+# compiled backward.)
 
 
 def _check_op(fname: str, op: str, slope: float, divisor: float, bias=None) -> None:

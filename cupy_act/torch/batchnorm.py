@@ -441,9 +441,10 @@ def _backward(ctx, gy):
         sp, gp, dp, _ptr(mask), _ptr(weight), _ptr(bias), mean, mean + 4 * c, w + ps.work,
         0, 0, _ptr(gw), _ptr(gb), w + ps.coef, 0, counters,
     )  # fmt: skip
-    sb, wb, xb = _nbytes(stats), _nbytes(work), _nbytes(src)
+    sb, wb = _nbytes(stats), _nbytes(work)
     have = (
-        xb, _nbytes(gy), xb, _nbytes(mask), _nbytes(weight), _nbytes(bias), sb, sb - 4 * c,
+        _nbytes(src), _nbytes(gy), _nbytes(dx), _nbytes(mask), _nbytes(weight), _nbytes(bias),
+        sb, sb - 4 * c,
         wb - ps.work, 0, 0, _nbytes(gw), _nbytes(gb), wb - ps.coef, 0, counted,
     )  # fmt: skip
     flags = (_bn.EVAL if mode.evaluate else 0) | (_bn.FROM_OUTPUT if mode.inplace else 0)
