@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import mutants  # noqa: E402
 
-_FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
+# "FAILED <test id> - <message>" (an id may hold spaces: a tuple parameter's)
+_FAILED = re.compile(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", re.MULTILINE)
 _COUNTS = re.compile(r"(\d+) (passed|failed|error|errors|skipped|deselected)")
 
 

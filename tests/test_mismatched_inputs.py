@@ -122,6 +122,9 @@ BN_CASES = [
         lambda m: setattr(m, "weight", _param(torch.empty(16, device="meta"))),
         None,
     ),
+    # (mismatches where the input is on a GPU; on the CPU the same device)
+    ("weight_on_cpu", lambda m: setattr(m, "weight", _param(m.weight.cpu())), None),
+    ("running_mean_on_cpu", lambda m: setattr(m, "running_mean", m.running_mean.cpu()), None),
     ("input_3d", None, (4, 16, 5)),
     ("input_5d", None, (4, 16, 5, 5, 2)),
     ("one_value_per_channel", None, (1, 16, 1, 1)),
