@@ -932,6 +932,7 @@ def test_wgrad_probe_events_timing_reads_the_childs_median(monkeypatch):
     assert asked == [["float32", "nchw", "fused", "forward-nograd", "0"]]
 
 
+@pytest.mark.slow  # (NVRTC compiles of every copy: about 2 minutes on a 2-core machine)
 def test_forward_stores_copies_make_their_change(tmp_path, monkeypatch):
     """scripts/forward_stores.py: every copy's edits find their text exactly
     once (else the script stops), and each copy's seed-shape forward compiles
