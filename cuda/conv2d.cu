@@ -256,7 +256,7 @@ __device__ __forceinline__ void store_n(T* dst, const T (&e)[N], int valid) {
 // left for a single store. Decided once per tile; the vectors are predicated
 // stores rather than branches: with store_n's, the lane at the output's right
 // edge (fewer than 4 values) split its warp at every channel and held the
-// block's next barrier back (scripts/forward_phases.py: the last warp's
+// block's next barrier back (clock64 stamps, 2026-11-26, ddeb8df: the last warp's
 // epilogue 1200-1650 cycles per tile longer than the others', at the seed
 // shape's 126 columns).
 struct Run4 {
@@ -573,8 +573,8 @@ __device__ __forceinline__ u32 transpose_nibbles(u32 x, int g) {
 // warps' runs wherever the row does not start on a line (126-wide rows:
 // nearly everywhere). Written by both within a short time it costs the
 // memory system about what one whole line does; written far apart (one warp
-// some channels ahead) it costs about as much again. scripts/forward_stores.py,
-// the seed shape's no-grad forward on an H100: "fused_tf32" 355 us with no
+// some channels ahead) it costs about as much again. In a copy of this kernel
+// (2026-11-27, 53390f4), the seed shape's no-grad forward on an H100: "fused_tf32" 355 us with no
 // barrier, 332 with one every 2 stores, 331 every 4, 338 every 8 (with odd
 // warps' channels in reverse order and no barrier: 461); after every store
 // 1-3% faster again than every 2, for "fused" too.
@@ -648,7 +648,7 @@ __device__ __forceinline__ void epilogue_wgmma_nchw(const float (&acc)[2][32], c
   // the seam buffer, stepped 8 channels on per j: the store loop tests no
   // route. (Tested at every store, as first written, the seed's TF32
   // forward took 316 us against 326 without the seams on an H100; with the
-  // pointers 287 against 326, scripts/forward_stores.py.)
+  // pointers 287 against 326; docs/conv-forward.md.)
   T* unit[2][2] = {};  // [s][0: the first unit, 1: the one 8 bytes on]
   int unit_step[2][2] = {};
   if (sizeof(T) == 4 && seam_line != nullptr) {
@@ -675,8 +675,7 @@ __device__ __forceinline__ void epilogue_wgmma_nchw(const float (&acc)[2][32], c
   // the 6 instructions per value). Forming a tile's values before its first
   // store (the arithmetic's chains side by side) was no faster for the
   // seed's no-grad float32 forward on an H100 (all first 272.6-280.5 us, per
-  // store 271.4-272.2: wgrad_probe.py and forward_stores.py's "formed
-  // first", "formed by halves"), and at 168 registers ptxas spilled with it
+  // store 271.4-272.2, 2026-11-27, a602205), and at 168 registers ptxas spilled with it
   // in the three-pass kernels.
   auto channels = [&](auto vectors, auto seam, auto with_mask) {
     constexpr bool kSeam = decltype(seam)::value, kMask = decltype(with_mask)::value;
@@ -1016,8 +1015,8 @@ __device__ __forceinline__ void forward_tiles(const ConvParams& p, const TensorM
   // weights (when the host allotted it: _conv.SEAM_BYTES), the next tile
   // adds its own, and the tile after stores the line after its first
   // barrier. Written in two parts a tile apart, these lines cost the seed
-  // shape's one-pass forward 15% (scripts/forward_stores.py, "no row-end
-  // lines"); with the seams it took 287 us against 326 on an H100, the
+  // shape's one-pass forward 15% (a copy without them, 2026-11-27,
+  // e9bbc1a); with the seams it took 287 us against 326 on an H100, the
   // lines' stores after the barrier 12 of those ("seams, no flush"). Only
   // where every store is a vector (even widths, planes of whole vectors, y
   // 16-byte aligned: no store_n), and rows are not whole lines anyway; the

@@ -131,6 +131,19 @@ def short_benchmark(n: int) -> None:
         _say(f"  {name:32s} {t:8.3f} {nbytes / t / 1e6:7.0f} {100 * nbytes / t / copy_bw:12.1f}%")
 
 
+def _gpu_count() -> tuple[int, str]:
+    """(CUDA devices CuPy sees, why there are none in words)."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount(), "no device"
+    except Exception as e:  # no driver, or no device
+        text = str(e)
+        if "insufficient" in text or "no CUDA-capable device" in text or "libcuda" in text:
+            return 0, f"no NVIDIA driver or device: {text}"
+        return 0, text
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cupy_act", description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -142,26 +155,26 @@ def main(argv=None) -> int:
     ap.add_argument("--bench-size", type=int, default=1 << 28, help="elements in the benchmark")
     args = ap.parse_args(argv)
 
-    try:
-        import cupy
-
-        gpus = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # no driver or no device
-        gpus, why = 0, str(e)
-    else:
-        why = "no device"
+    gpus, why = _gpu_count()
     if not gpus:
-        _say(f"cupy_act: no CUDA GPU found ({why}); running the CPU checks only.")
+        _say(
+            f"cupy_act: no NVIDIA GPU found ({why}). The kernels need an NVIDIA GPU "
+            f"(compute capability 8.0 or newer) and its driver; running the CPU checks only."
+        )
         failures = cpu_checks()
         _say("CPU checks passed." if not failures else f"{failures} CPU check(s) FAILED.")
         return 1 if failures else 0
+
+    import cupy
 
     from . import _conv, _loader
 
     if args.precompile:
         t0 = time.perf_counter()
-        _loader.load(cupy.cuda.runtime.getDevice())
-        _conv.load(cupy.cuda.runtime.getDevice())
+        device = cupy.cuda.runtime.getDevice()
+        _loader.load(device)
+        if _conv.supported(device):  # (compute capability 8.0 or newer)
+            _conv.load(device)
         _say(f"cupy_act: compiled or loaded all kernels in {time.perf_counter() - t0:.2f} s")
     try:
         import torch  # noqa: F401

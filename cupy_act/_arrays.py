@@ -37,7 +37,7 @@ _NAMES: dict[tuple[int, str], str] = {}  # (dtype.num, byte order) -> str(dtype)
 
 def dtype_name(dtype) -> str:
     """``str(dtype)``, cached: on the GPU host str() and .name of a NumPy dtype
-    took 1.7 us per call, a tenth of a CuPy API call (scripts/diagnose.py cupy)."""
+    took 1.7 us per call, a tenth of a CuPy API call (2026-11-22, c777bc8)."""
     key = (dtype.num, dtype.byteorder)
     name = _NAMES.get(key)
     if name is None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 # The launch shape of one kind: 16-byte vectors per thread and trip of the
 # kernel's loop, by item size (2, 4 or 8 bytes), a template argument of each
 # kernel. Measured on an H200 at 4096 x 393216 with scripts/tune.py
-# (docs/performance-notes.md): one vector for 4- and 8-byte types (99-100% of
+# (docs/elementwise.md): one vector for 4- and 8-byte types (99-100% of
 # the copy's speed; two cost 0.3-0.7%, four 2-3%); for 16-bit types two
 # (98.8-99.1% for every op), except where one measured faster: leaky_relu
 # forward and backward (99.7-100.4%) and div_leaky_relu backward (100.2%; relu

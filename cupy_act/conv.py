@@ -5,7 +5,7 @@
 computed by ``cuda/conv2d.cu`` (an implicit GEMM on tensor cores, sm_80 or
 newer) and written once, with the optional 1-bit mask of the elementwise ops.
 This is FP32-accurate (the 3xTF32 split), not bit-identical to cuDNN: see
-docs/performance-notes.md for the measured error. Works on CuPy arrays and
+docs/conv-forward.md for the measured error. Works on CuPy arrays and
 any DLPack / CUDA-array-interface producer, on CuPy's current stream.
 """
 
@@ -34,7 +34,7 @@ def conv2d_div_leaky_relu(
     x: GPUArray,
     weight: GPUArray,
     bias: GPUArray | None = None,
-    divisor: float = 1.0,
+    divisor: float | None = None,
     negative_slope: float = 0.01,
     stride=1,
     padding=0,
@@ -52,7 +52,8 @@ def conv2d_div_leaky_relu(
             channels-last too. Anything else is copied to NCHW first.
         weight: (Cout, Cin, kH, kW), x's dtype and device (groups = 1).
         bias: optional (Cout,), x's dtype.
-        divisor, negative_slope: Python numbers, rounded as PyTorch does.
+        divisor: required: a finite, non-zero Python number; negative_slope: a
+            Python number; both rounded as PyTorch rounds them.
         stride, padding, dilation: an int or a pair, as ``F.conv2d`` takes them
             (zero padding).
         precision: "fp32" (float32 inputs: the 3xTF32 split, FP32 accuracy) or
@@ -65,6 +66,10 @@ def conv2d_div_leaky_relu(
         y, or (y, mask) with ``with_mask``.
     """
     fname = "cupy_act.conv2d_div_leaky_relu"
+    if divisor is None:
+        raise TypeError(
+            f"{fname}() missing required argument 'divisor' (a finite, non-zero number)"
+        )
     check_divisor(divisor, fname)
     check_real(negative_slope, "negative_slope", fname)
     if precision not in _conv.PRECISIONS:
@@ -79,6 +84,11 @@ def conv2d_div_leaky_relu(
             f"elements or more, or an input patch too large for shared memory)"
         )
     dev = x.data.device_id
+    if not _conv.supported(dev):
+        raise RuntimeError(
+            f"{fname}: the fused kernel needs compute capability {_conv.MIN_SM // 10}.0 or newer "
+            f"(TF32 tensor cores); device {dev} has {_conv.kernels._sm(dev) / 10:.1f}"
+        )
     with cupy.cuda.Device(dev):
         channels_last = _nhwc_dense(x)
         w = cupy.ascontiguousarray(w)  # OIHW in either layout

@@ -117,7 +117,7 @@ _set_device = cupy.cuda.runtime.setDevice
 _current_stream = cupy.cuda.get_current_stream
 
 
-def relu(x: GPUArray, out: GPUArray | None = None) -> cupy.ndarray:
+def relu(x: GPUArray, *, out: GPUArray | None = None) -> cupy.ndarray:
     """ReLU, bit for bit ``torch.relu``: NaN passes through, -0 and x < 0 give +0.
 
     Args:
@@ -130,7 +130,7 @@ def relu(x: GPUArray, out: GPUArray | None = None) -> cupy.ndarray:
 
 
 def leaky_relu(
-    x: GPUArray, negative_slope: float = 0.01, out: GPUArray | None = None
+    x: GPUArray, negative_slope: float = 0.01, *, out: GPUArray | None = None
 ) -> cupy.ndarray:
     """LeakyReLU, bit for bit ``F.leaky_relu``: ``x > 0 ? x : x * negative_slope``.
 
@@ -144,6 +144,7 @@ def div_leaky_relu(
     x: GPUArray,
     divisor: float,
     negative_slope: float = 0.01,
+    *,
     bias: GPUArray | None = None,
     out: GPUArray | None = None,
 ) -> cupy.ndarray:
@@ -173,7 +174,7 @@ def div_leaky_relu(
 
 
 def relu_with_mask(
-    x: GPUArray, out: GPUArray | None = None, mask: GPUArray | None = None
+    x: GPUArray, *, out: GPUArray | None = None, mask: GPUArray | None = None
 ) -> tuple[cupy.ndarray, cupy.ndarray]:
     """``relu(x)`` and its 1-bit mask (``!(x <= 0)``: set for x > 0 and NaN), one pass.
 
@@ -187,6 +188,7 @@ def relu_with_mask(
 def leaky_relu_with_mask(
     x: GPUArray,
     negative_slope: float = 0.01,
+    *,
     out: GPUArray | None = None,
     mask: GPUArray | None = None,
 ) -> tuple[cupy.ndarray, cupy.ndarray]:
@@ -206,6 +208,7 @@ def div_leaky_relu_with_mask(
     x: GPUArray,
     divisor: float,
     negative_slope: float = 0.01,
+    *,
     bias: GPUArray | None = None,
     out: GPUArray | None = None,
     mask: GPUArray | None = None,
@@ -224,7 +227,7 @@ def div_leaky_relu_with_mask(
     )
 
 
-def relu_backward(dy: GPUArray, mask: GPUArray, out: GPUArray | None = None) -> cupy.ndarray:
+def relu_backward(dy: GPUArray, mask: GPUArray, *, out: GPUArray | None = None) -> cupy.ndarray:
     """Gradient of ReLU from the mask: ``dy`` where the bit is set, else +0.
 
     Bit for bit PyTorch's ``threshold_backward(dy, relu(x), 0)``; x is not needed.
@@ -233,7 +236,7 @@ def relu_backward(dy: GPUArray, mask: GPUArray, out: GPUArray | None = None) -> 
 
 
 def leaky_relu_backward(
-    dy: GPUArray, mask: GPUArray, negative_slope: float = 0.01, out: GPUArray | None = None
+    dy: GPUArray, mask: GPUArray, negative_slope: float = 0.01, *, out: GPUArray | None = None
 ) -> cupy.ndarray:
     """Gradient of LeakyReLU from the mask, bit for bit ``aten.leaky_relu_backward``."""
     return _run(
@@ -252,6 +255,7 @@ def div_leaky_relu_backward(
     mask: GPUArray,
     divisor: float,
     negative_slope: float = 0.01,
+    *,
     out: GPUArray | None = None,
 ) -> cupy.ndarray:
     """Gradient of ``leaky_relu(x / divisor)`` w.r.t. x from the mask (and w.r.t. the

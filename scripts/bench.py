@@ -34,15 +34,15 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import math
-import platform
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import conv_bench  # scripts/conv_bench.py, next to this script
+import measure  # scripts/measure.py
 import torch
 import torch.nn.functional as F
 
@@ -212,59 +212,33 @@ class Bench:
         copy_first = T(lambda: y.copy_(x))
         start = len(self.rows)
         static = shape == REF_SHAPE
+        add = functools.partial(self.add, dtype, label, n, s)
         for op in OPS:
             div = " div" if REGISTRY[op].divisor else ""
             ef, of = eager_forward(op), ours_forward(op)
             slope, divisor = scalars(op)
             with torch.no_grad():
                 testing.assert_bits_equal(of(x), ef(x), f"{op} forward, {label}")
-                self.add(dtype, label, n, s, op, "forward", "eager" + div, T(lambda: ef(x)))
+                add(op, "forward", "eager" + div, T(lambda: ef(x)))
                 if not self.args.no_compile:
                     cf = self.compiled_forward(op, static)
-                    self.add(dtype, label, n, s, op, "forward", "compile", T(lambda: cf(x)))
-                self.add(dtype, label, n, s, op, "forward", "cupy_act", T(lambda: of(x)))
-                self.add(
-                    dtype,
-                    label,
-                    n,
-                    s,
-                    op,
-                    "forward+mask",
-                    "cupy_act",
-                    T(lambda: _impl.forward_mask(x, op, slope, divisor, None)),
-                )
+                    add(op, "forward", "compile", T(lambda: cf(x)))
+                add(op, "forward", "cupy_act", T(lambda: of(x)))
+                fm = T(lambda: _impl.forward_mask(x, op, slope, divisor, None))
+                add(op, "forward+mask", "cupy_act", fm)
                 _, mask = _impl.forward_mask(x, op, slope, divisor, None)
                 eb = eager_backward(op, x, dy)
-                testing.assert_bits_equal(
-                    _impl.backward(dy, mask, op, slope, divisor, False),
-                    eb(),
-                    f"{op} backward, {label}",
-                )
-                self.add(dtype, label, n, s, op, "backward", "eager" + div, T(eb))
-                self.add(
-                    dtype,
-                    label,
-                    n,
-                    s,
-                    op,
-                    "backward",
-                    "cupy_act",
-                    T(lambda: _impl.backward(dy, mask, op, slope, divisor, False)),
-                )
+
+                def ob():
+                    return _impl.backward(dy, mask, op, slope, divisor, False)
+
+                testing.assert_bits_equal(ob(), eb(), f"{op} backward, {label}")
+                add(op, "backward", "eager" + div, T(eb))
+                add(op, "backward", "cupy_act", T(ob))
             xg = x.detach().requires_grad_(True)
             for impl, f in (("eager" + div, ef), ("cupy_act", of)):
                 ms = T(lambda: torch.autograd.grad(f(xg), xg, dy))
-                self.add(
-                    dtype,
-                    label,
-                    n,
-                    s,
-                    op,
-                    "fwd+bwd",
-                    impl,
-                    ms,
-                    saved=saved[(op, impl.replace(" div", ""))],
-                )
+                add(op, "fwd+bwd", impl, ms, saved=saved[(op, impl.replace(" div", ""))])
         self.cupy_anchors(dtype, label, n, s, x, T)
         copy_last = T(lambda: y.copy_(x))
         row = self.add(dtype, label, n, s, "-", "copy", "copy", min(copy_first, copy_last))
@@ -288,21 +262,10 @@ class Bench:
         cy = cupy.empty_like(cx)
         ek = cupy.ElementwiseKernel("T x, T s", "T y", "y = x > 0 ? x : x * s", "bench_leaky")
         slope = cx.dtype.type(SLOPE)
-        self.add(
-            dtype,
-            label,
-            n,
-            s,
-            "relu",
-            "forward",
-            "cupy max",
-            T(lambda: cupy.maximum(cx, 0, out=cy)),
-        )
-        self.add(
-            dtype, label, n, s, "leaky_relu", "forward", "cupy EK", T(lambda: ek(cx, slope, cy))
-        )
-        ours = T(lambda: cupy_act.leaky_relu(cx, SLOPE, out=cy))
-        self.add(dtype, label, n, s, "leaky_relu", "forward", "ours cupy", ours)
+        add = functools.partial(self.add, dtype, label, n, s)
+        add("relu", "forward", "cupy max", T(lambda: cupy.maximum(cx, 0, out=cy)))
+        add("leaky_relu", "forward", "cupy EK", T(lambda: ek(cx, slope, cy)))
+        add("leaky_relu", "forward", "ours cupy", T(lambda: cupy_act.leaky_relu(cx, SLOPE, out=cy)))
 
     def run_conv(self):
         torch.manual_seed(0)
@@ -350,160 +313,66 @@ def find(rows, **kw):
     return None
 
 
-def targets(rows, conv):
-    """(description, value, goal, passed) for every target at the reference shape."""
-    ref = "4096x393216"
-    res = []
+def targets(rows, conv) -> list:
+    """The measure.Target of every goal, at the reference shape unless a size is named."""
+    ref, out = "4096x393216", []
 
-    def t(dtype, op, case, impl):
-        r = find(rows, dtype=dtype, size=ref, op=op, case=case, impl=impl)
-        return r["ms"] if r else None
+    def ms(dtype, op, case, impl, size=ref):
+        r = find(rows, dtype=dtype, size=size, op=op, case=case, impl=impl)
+        return r and r["ms"]
 
-    def check(desc, value, goal, ok):
-        if value is not None:
-            res.append((desc, value, goal, ok(value)))
+    def ratio(a, b):
+        return a / b if a and b else None
+
+    def add(what, value, goal):
+        out.append(measure.target(what, value, goal))
 
     for dtype in ("float32", "bfloat16", "float16"):
         for op in ("relu", "leaky_relu"):
-            e, o = t(dtype, op, "forward", "eager"), t(dtype, op, "forward", "cupy_act")
-            if e and o:
-                if dtype == "float16":
-                    check(
-                        f"{op} forward {dtype}: speed vs eager",
-                        e / o,
-                        ">= 1.08x",
-                        lambda v: v >= 1.08,
-                    )
-                else:
-                    check(
-                        f"{op} forward {dtype}: speed vs eager",
-                        e / o,
-                        ">= 0.99x",
-                        lambda v: v >= 0.99,
-                    )
-                    r = find(rows, dtype=dtype, size=ref, op=op, case="forward", impl="cupy_act")
-                    check(
-                        f"{op} forward {dtype}: % of copy bandwidth",
-                        r["pct_copy"],
-                        ">= 98%",
-                        lambda v: v >= 98,
-                    )
-    for dtype in ("float32",):
-        o = t(dtype, "div_leaky_relu", "forward", "cupy_act")
-        e, c = (
-            t(dtype, "div_leaky_relu", "forward", "eager"),
-            t(dtype, "div_leaky_relu", "forward", "compile"),
-        )
-        if o:
-            check(
-                f"div_leaky_relu forward {dtype}: speed vs eager (two passes)",
-                e / o,
-                ">= 1.95x",
-                lambda v: v >= 1.95,
-            )
-            if c:
-                check(
-                    f"div_leaky_relu forward {dtype}: speed vs torch.compile",
-                    c / o,
-                    ">= 0.99x",
-                    lambda v: v >= 0.99,
-                )
-        for op in OPS:
-            r = find(rows, dtype=dtype, size=ref, op=op, case="forward+mask", impl="cupy_act")
-            if r:
-                check(
-                    f"{op} forward+mask {dtype}: time / copy time",
-                    r["x_copy_time"],
-                    "<= 1.03x",
-                    lambda v: v <= 1.03,
-                )
-            e, o = t(dtype, op, "backward", "eager"), t(dtype, op, "backward", "cupy_act")
-            if o:
-                check(
-                    f"{op} backward {dtype}: speed vs eager backward",
-                    e / o,
-                    ">= 1.43x",
-                    lambda v: v >= 1.43,
-                )
-            e, o = t(dtype, op, "fwd+bwd", "eager"), t(dtype, op, "fwd+bwd", "cupy_act")
-            if o:
-                check(
-                    f"{op} autograd fwd+bwd {dtype}: speed vs eager",
-                    e / o,
-                    ">= 1.2x",
-                    lambda v: v >= 1.2,
-                )
-                se = find(rows, dtype=dtype, size=ref, op=op, case="fwd+bwd", impl="eager")
-                so = find(rows, dtype=dtype, size=ref, op=op, case="fwd+bwd", impl="cupy_act")
-                check(
-                    f"{op} saved memory {dtype}: eager / ours",
-                    se["saved_bytes_per_element"] / so["saved_bytes_per_element"],
-                    ">= 32x",
-                    lambda v: v >= 32 * 0.999,
-                )
-        for label in ("2^16", "2^18", "2^20"):
-            for op in OPS:
-                e = find(rows, dtype=dtype, size=label, op=op, case="forward", impl="eager")
-                o = find(rows, dtype=dtype, size=label, op=op, case="forward", impl="cupy_act")
-                if e and o:
-                    check(
-                        f"{op} forward {dtype} {label}: time per call / eager",
-                        o["ms"] / e["ms"],
-                        "<= 1.3x",
-                        lambda v: v <= 1.3,
-                    )
+            e, o = ms(dtype, op, "forward", "eager"), ms(dtype, op, "forward", "cupy_act")
+            add(f"{op} forward {dtype}: speed vs eager", ratio(e, o),
+                ">= 1.08x" if dtype == "float16" else ">= 0.99x")  # fmt: skip
+            r = find(rows, dtype=dtype, size=ref, op=op, case="forward", impl="cupy_act")
+            if dtype != "float16" and r:
+                add(f"{op} forward {dtype}: % of copy bandwidth", r["pct_copy"], ">= 98%")
+    f32, div = "float32", "div_leaky_relu"
+    o = ms(f32, div, "forward", "cupy_act")
+    add(f"{div} forward {f32}: speed vs eager (two passes)",
+        ratio(ms(f32, div, "forward", "eager"), o), ">= 1.95x")  # fmt: skip
+    add(f"{div} forward {f32}: speed vs torch.compile",
+        ratio(ms(f32, div, "forward", "compile"), o), ">= 0.99x")  # fmt: skip
+    for op in OPS:
+        r = find(rows, dtype=f32, size=ref, op=op, case="forward+mask", impl="cupy_act")
+        add(f"{op} forward+mask {f32}: time / copy time", r and r["x_copy_time"], "<= 1.03x")
+        for case, what, goal in (
+            ("backward", "speed vs eager backward", ">= 1.43x"),
+            ("fwd+bwd", "autograd fwd+bwd: speed vs eager", ">= 1.2x"),
+        ):
+            e, o = ms(f32, op, case, "eager"), ms(f32, op, case, "cupy_act")
+            add(f"{op} {case} {f32}: {what}", ratio(e, o), goal)
+        se = find(rows, dtype=f32, size=ref, op=op, case="fwd+bwd", impl="eager")
+        so = find(rows, dtype=f32, size=ref, op=op, case="fwd+bwd", impl="cupy_act")
+        if se and so:  # (32x, within the float of the measured ratio)
+            saved = se["saved_bytes_per_element"] / so["saved_bytes_per_element"]
+            add(f"{op} saved memory {f32}: eager / ours", saved, ">= 31.968x")
+        for size in ("2^16", "2^18", "2^20"):
+            o, e = ms(f32, op, "forward", "cupy_act", size), ms(f32, op, "forward", "eager", size)
+            add(f"{op} forward {f32} {size}: time per call / eager", ratio(o, e), "<= 1.3x")
     c = {r["model"]: r for r in conv}
     if "eager" in c and "cupy_act" in c:
-        check(
-            "ConvDivLeakyReLU forward, bit-exact mode: speed vs eager",
-            c["eager"]["forward_ms"] / c["cupy_act"]["forward_ms"],
-            ">= 1.6x",
-            lambda v: v >= 1.6,
-        )
+        add("ConvDivLeakyReLU forward, bit-exact mode: speed vs eager",
+            c["eager"]["forward_ms"] / c["cupy_act"]["forward_ms"], ">= 1.6x")  # fmt: skip
     if "compile" in c and "cupy_act channels_last" in c:
         for k, what in (("forward_ms", "forward"), ("fwd_bwd_ms", "fwd+bwd")):
-            check(
-                f"ConvDivLeakyReLU {what}, channels_last: speed vs torch.compile",
-                c["compile"][k] / c["cupy_act channels_last"][k],
-                "> 1x",
-                lambda v: v > 1.0,
-            )
-    return res
-
-
-def print_tables(rows):
-    by = {}
-    for r in rows:
-        by.setdefault((r["dtype"], r["size"]), []).append(r)
-    for (dtype, size), rs in by.items():
-        print(f"\n{dtype} {size} (N={rs[0]['n']})")
-        print(
-            f"  {'op':15s} {'case':13s} {'impl':9s} {'bytes':>8s} {'ms':>9s} {'GB/s':>6s} "
-            f"{'%copy':>6s} {'vs eager':>9s} {'vs compile':>10s} {'saved B/el':>10s}"
-        )
-        for r in rs:
-            e = find(rs, op=r["op"], case=r["case"], impl="eager")
-            if r["case"] == "forward+mask":
-                e = find(rs, op=r["op"], case="forward", impl="eager")
-            c = find(rs, op=r["op"], case=r["case"], impl="compile")
-            vs_e = f"{e['ms'] / r['ms']:8.3f}x" if e and r["impl"] == "cupy_act" else ""
-            vs_c = f"{c['ms'] / r['ms']:9.3f}x" if c and r["impl"] == "cupy_act" else ""
-            saved = (
-                ""
-                if r["saved_bytes_per_element"] is None
-                else f"{r['saved_bytes_per_element']:.3f}"
-            )
-            print(
-                f"  {r['op']:15s} {r['case']:13s} {r['impl']:9s} {r['formula']:>8s} {r['ms']:9.4f} "
-                f"{r['gbps']:6.0f} {r.get('pct_copy', 0):5.1f}% {vs_e:>9s} {vs_c:>10s} {saved:>10s}"
-            )
+            add(f"ConvDivLeakyReLU {what}, channels_last: speed vs torch.compile",
+                c["compile"][k] / c["cupy_act channels_last"][k], "> 1x")  # fmt: skip
+    return [t for t in out if t is not None]
 
 
 def markdown(meta, rows, conv, res) -> str:
     """The run's tables in Markdown (docs/benchmarks.md quotes them)."""
     L = [
-        f"GPU: {meta['gpu']}; torch {meta['torch']}, cupy {meta['cupy']}, CUDA {meta['cuda']}, "
-        f"Python {meta['python']}. Command: `{meta['command']}`.",
+        f"GPU: {measure.header(meta)}. Command: `{meta['command']}`.",
         "",
     ]
     ref = "4096x393216"
@@ -576,9 +445,10 @@ def markdown(meta, rows, conv, res) -> str:
             fb = "" if c["fwd_bwd_ms"] is None else f"{c['fwd_bwd_ms']:.3f}"
             L.append(f"| {c['model']} | {c['forward_ms']:.3f} | {fb} |")
         L.append("")
-    L += ["### Targets", "", "| target | measured | goal | |", "|---|---|---|---|"]
-    for desc, value, goal, ok in res:
-        L.append(f"| {desc} | {value:.3f} | {goal} | {'met' if ok else '**missed**'} |")
+    L += ["### Targets", ""] + measure.md_table(
+        ("target", "measured", "goal", ""),
+        [(t.what, f"{t.value:.3f}", t.goal, "met" if t.met else "**missed**") for t in res],
+    )
     return "\n".join(L) + "\n"
 
 
@@ -641,6 +511,7 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--max-autotune", action="store_true", help="conv: torch.compile max-autotune")
     args = ap.parse_args()
+    measure.require_gpu("bench.py")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # Each op's lambda is one code object compiled for several dtypes and both
@@ -648,20 +519,8 @@ def main() -> None:
     # silently run eager, so the limit is raised.
     torch._dynamo.config.cache_size_limit = 64
     torch._dynamo.config.accumulated_cache_size_limit = 512
-    import cupy
-
-    meta = dict(
-        gpu=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        cupy=cupy.__version__,
-        cuda=torch.version.cuda,
-        python=platform.python_version(),
-        command=" ".join(["python"] + sys.argv),
-    )
-    print(
-        f"{meta['gpu']}  torch {meta['torch']}  cupy {meta['cupy']}  CUDA {meta['cuda']}",
-        flush=True,
-    )
+    meta = measure.environment()
+    print(measure.header(meta), flush=True)
     bench = Bench(args)
     t0 = time.perf_counter()
     for name in args.dtypes:
@@ -673,14 +532,12 @@ def main() -> None:
         for name in conv_bench.SHAPES:
             algos += conv_bench.run_shape(name, conv_bench.SHAPES[name], opts)
         algo_targets = conv_bench.targets(algos, meta["gpu"])
-    print_tables(bench.rows)
     res = targets(bench.rows, conv) + algo_targets
+    md = markdown(meta, bench.rows, conv, res)
+    print("\n" + md)
     print("\ntargets (4096 x 393216 unless a size is named)")
-    for desc, value, goal, ok in res:
-        print(f"  {'PASS' if ok else 'MISS'}  {desc}: {value:.3f} (goal {goal})")
-    print(
-        f"\n{sum(ok for *_, ok in res)} of {len(res)} targets met; {time.perf_counter() - t0:.0f} s"
-    )
+    measure.print_targets(res)
+    print(f"{time.perf_counter() - t0:.0f} s")
     (out / "results.json").write_text(
         json.dumps(
             dict(
@@ -688,7 +545,7 @@ def main() -> None:
                 rows=bench.rows,
                 conv=conv,
                 conv_algorithms=algos,
-                targets=[dict(target=d, value=v, goal=g, met=ok) for d, v, g, ok in res],
+                targets=[t._asdict() for t in res],
             ),
             indent=1,
         )
@@ -698,12 +555,16 @@ def main() -> None:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         w.writerows(bench.rows)
-    md = markdown(meta, bench.rows, conv, res)
     if algos:
         md += "\n### conv2d_div_leaky_relu, every algorithm\n\n" + conv_bench.markdown(algos, [])
     (out / "results.md").write_text(md)
-    plot(bench.rows, out / "bench.png")
-    print(f"wrote {out}/results.json, results.csv, results.md, bench.png")
+    try:
+        plot(bench.rows, out / "bench.png")
+        print(f"wrote {out}/results.json, results.csv, results.md, bench.png")
+    except ImportError:  # (matplotlib is no dependency)
+        print(
+            f"wrote {out}/results.json, results.csv, results.md (no plot: pip install matplotlib)"
+        )
 
 
 if __name__ == "__main__":

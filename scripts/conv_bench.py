@@ -52,6 +52,7 @@ import argparse
 import json
 import math
 
+import measure  # scripts/measure.py
 import torch
 import torch.nn.functional as F
 
@@ -117,13 +118,6 @@ def block(x, w, b, stride, padding):
     return F.leaky_relu(F.conv2d(x, w, b, stride, padding) / DIVISOR, SLOPE)
 
 
-def copy_time(shape) -> float:
-    """Median ms of a float32 device copy of ``shape``: the bandwidth yardstick."""
-    src = torch.randn(shape, device="cuda")
-    dst = torch.empty_like(src)
-    return testing.median_ms(lambda: dst.copy_(src))
-
-
 def saved_mb(fn) -> float:
     _, sizes = testing.saved_sizes(fn)
     return testing.nbytes(sizes) / 1e6
@@ -162,9 +156,10 @@ def run_shape(name, shape, args) -> list[dict]:
     x0 = torch.randn(n, cin, h, wd, device="cuda")
     with torch.no_grad():
         ref = block(x0.double(), w0.double(), b0.double(), stride, pad)
+    # the floor: read x once, write y once (float32), at the copy's bandwidth
     y_bytes = ref.numel() * 4
     floor_bytes = x0.numel() * 4 + y_bytes
-    copy_ms = copy_time(ref.shape)
+    copy_ms = measure.copy_ms(4 * ref.numel())
     floor_ms = copy_ms * floor_bytes / (2 * y_bytes)
 
     impls = {"eager": lambda x, w, b: block(x, w, b, stride, pad)}
@@ -268,43 +263,38 @@ def run_shape(name, shape, args) -> list[dict]:
     return rows
 
 
-Target = tuple[str, float, float, bool, "float | None"]  # desc, value, goal, met, floor
-
-
-def targets(rows, gpu: str) -> list[Target]:
+def targets(rows, gpu: str) -> list[measure.Target]:
     """Issue 11's targets at the reference shape (H200 times; H100 scaled)."""
     by = {r["impl"]: r for r in rows if r["shape"] == "ref"}
     if "fused" not in by:
         return []
     h100 = "H100" in gpu
-    out: list[Target] = []
     fused, tf32 = by["fused"], by["fused_tf32"]
-    goal = 0.33 if h100 else 0.25
-    out.append(("fused forward ms", fused["forward_ms"], goal, fused["forward_ms"] <= goal, None))
-    goal = 0.264 if h100 else 0.20
-    value = tf32["forward_ms"]
-    out.append(("fused_tf32 forward ms", value, goal, value <= goal, None))
-    ratio = fused["max_err"] / by["eager"]["max_err"]
-    out.append(("fused max err / eager's", ratio, 10.0, ratio <= 10.0, None))
-    value = fused["x_floor"]
-    out.append(("fused forward x floor", value, 1.75, value <= 1.75, None))
+    out = [
+        measure.target("fused forward ms", fused["forward_ms"], f"<= {0.33 if h100 else 0.25}"),
+        measure.target("fused_tf32 forward ms", tf32["forward_ms"], f"<= {0.264 if h100 else 0.2}"),
+        measure.target(
+            "fused max err / eager's", fused["max_err"] / by["eager"]["max_err"], "<= 10"
+        ),
+        measure.target("fused forward x floor", fused["x_floor"], "<= 1.75"),
+    ]
     if "compile" in by:
         s = by["compile"]["fwd_bwd_ms"] / fused["fwd_bwd_ms"]
-        out.append(("fwd+bwd speedup over torch.compile", s, 1.6, s >= 1.6, None))
+        out.append(measure.target("fwd+bwd speedup over torch.compile", s, ">= 1.6x"))
     if "max-autotune" in by:
         s = by["max-autotune"]["forward_ms"] / fused["forward_ms"]
-        out.append(("forward speedup over max-autotune", s, 3.0, s >= 3.0, None))
+        out.append(measure.target("forward speedup over max-autotune", s, ">= 3x"))
     return out
 
 
-def targets_23(rows, gpu: str, floors: dict[str, float]) -> list[Target]:
+def targets_23(rows, gpu: str, floors: dict[str, float]) -> list[measure.Target]:
     """Issue 23's targets: the reference shape's times (H100 figures; an H200
     scales them by its memory floor, measured in the same run), each with
     its floor where it includes host time (our GPU time plus the matching
     host floor, ``host_floors``), and "auto" within 3% of the best candidate
     it may pick at every shape."""
     by = {r["impl"]: r for r in rows if r["shape"] == "ref"}
-    out: list[Target] = []
+    out = []
     if "fused" in by:
         fused, tf32 = by["fused"], by["fused_tf32"]
         # the H100 floor of the issue (0.200 ms) against this run's
@@ -319,9 +309,9 @@ def targets_23(rows, gpu: str, floors: dict[str, float]) -> list[Target]:
             ("fused backward ms, x no grad", fused, "w_bwd", bwd, 0.45),
             ("fused backward ms, x no grad, GPU time alone", fused, "w_bwd_gpu", None, 0.45),
         ):
-            value = r[key + "_ms"]
             floor = None if host is None else r[key + "_gpu_ms"] + host
-            out.append((desc, value, round(goal * scale, 3), value <= goal * scale, floor))
+            goal_s = f"<= {round(goal * scale, 3)}"
+            out.append(measure.target(desc, r[key + "_ms"], goal_s, floor))
     allowed = ct.conv.candidates(torch.float32, False)
     for shape in dict.fromkeys(r["shape"] for r in rows):
         t = {r["impl"]: r for r in rows if r["shape"] == shape}
@@ -335,16 +325,8 @@ def targets_23(rows, gpu: str, floors: dict[str, float]) -> list[Target]:
                 f"{shape}: auto / best of {' or '.join(allowed)}, {what} (interleaved single "
                 f"shots; its pick against itself {control:.3f})"
             )
-            ratio = t["auto"][key] / best
-            out.append((desc, ratio, 1.03, t["auto"][key] <= 1.03 * best, None))
+            out.append(measure.target(desc, t["auto"][key] / best, "<= 1.03"))
     return out
-
-
-def floor_note(goal: float, floor: float | None) -> str:
-    """The floor of a target, and whether its goal lies below it."""
-    if floor is None:
-        return ""
-    return f"floor {floor:.3f}" + (", goal below the floor" if goal < floor else "")
 
 
 def markdown(rows, res, floors) -> str:
@@ -366,12 +348,11 @@ def markdown(rows, res, floors) -> str:
         )
     L += ["", "| host floor | ms |", "|---|---|"]
     L += [f"| {k} | {v:.4f} |" for k, v in floors.items()]
-    L += ["", "| target (reference shape) | measured | goal | floor | |", "|---|---|---|---|---|"]
-    for desc, value, goal, ok, floor in res:
-        L.append(
-            f"| {desc} | {value:.3f} | {goal} | {floor_note(goal, floor)} "
-            f"| {'met' if ok else '**missed**'} |"
-        )
+    L += [""] + measure.md_table(
+        ("target (reference shape)", "measured", "goal", "floor", ""),
+        [(t.what, f"{t.value:.3f}", t.goal, t.floor_note(), "met" if t.met else "**missed**")
+         for t in res],
+    )  # fmt: skip
     return "\n".join(L) + "\n"
 
 
@@ -384,8 +365,10 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--markdown", help="write the tables as Markdown here")
     args = ap.parse_args()
-    gpu = torch.cuda.get_device_name()
-    print(f"{gpu}  torch {torch.__version__}", flush=True)
+    measure.require_gpu("conv_bench.py")
+    env = measure.environment()
+    gpu = env["gpu"]
+    print(measure.header(env), flush=True)
     rows = []
     for name in args.shapes:
         s = SHAPES[name]
@@ -399,16 +382,12 @@ def main() -> None:
     res23 = targets_23(rows, gpu, floors)
     for title, items in (("issue 11", res), ("issue 23", res23)):
         print(f"\ntargets ({title})")
-        for desc, value, goal, ok, floor in items:
-            note = floor_note(goal, floor)
-            print(
-                f"  {'PASS' if ok else 'MISS'}  {desc}: {value:.3f} (goal {goal})"
-                + (f"  [{note}]" if note else "")
-            )
+        measure.print_targets(items)
     res = res + res23
     if args.json:
         with open(args.json, "w") as f:
-            out = dict(gpu=gpu, torch=torch.__version__, rows=rows, targets=res, floors=floors)
+            met = [t._asdict() for t in res]
+            out = dict(env=env, rows=rows, targets=met, floors=floors)
             json.dump(out, f, indent=1)
     if args.markdown:
         with open(args.markdown, "w") as f:

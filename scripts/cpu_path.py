@@ -19,15 +19,14 @@ import time
 import torch
 
 import cupy_act.torch as ct
-from cupy_act import testing
+from cupy_act import _reference, testing
 from cupy_act._registry import OPS
-from cupy_act.torch import _impl
 
 
 def floor(op, x, dy, slope, divisor):
     """The torch-kernel floor (see the module docstring)."""
-    y, t = _impl.reference(op, x, slope, divisor, None)
-    stand_in = torch.empty_like(dy).copy_(_impl.bits(op, t))
+    y, t = _reference.reference(op, x, slope, divisor, None)
+    stand_in = torch.empty_like(dy).copy_(_reference.bits(op, t))
     dx = OPS[op].torch_backward(torch, dy, stand_in, slope, stand_in)
     return y, dx.div_(divisor) if OPS[op].divisor else dx
 

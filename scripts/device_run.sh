@@ -7,7 +7,7 @@
 # Logs go to $OUT; a summary is last.
 # Usage (GPU machine, repository root):
 #   [PARTS="conformance tests sanitizer racecheck mutants bench overhead selfcheck cold cpu models
-#           kernelbench convbench wgradbench wgradprobe kernellimits"] \
+#           kernelbench convbench"] \
 #     [BASE=dir] [OVERHEAD_RUNS=2] [CPU_RUNS=1] \
 #     [TUNE=1] \
 #     bash scripts/device_run.sh
@@ -15,8 +15,7 @@
 # there are two (see below), and the 2-GPU rows after them.
 # BASE: a copy of another version's cupy_act/ and cuda/ (e.g. the last release),
 # whose overhead is measured in the same run, alternating with this one (and
-# its CPU path too, where the copy has its scripts/; and its weight-gradient
-# kernel in wgradbench).
+# its CPU path too, where the copy has its scripts/).
 set -u
 OUT=${OUT:-/tmp/cupy_act_out}; mkdir -p "$OUT"
 PARTS=${PARTS:-"conformance tests sanitizer bench overhead"}
@@ -192,15 +191,6 @@ if has convbench; then  # every conv2d_div_leaky_relu algorithm at five shapes
   timeout ${CONV_TIMEOUT:-540} python3 scripts/conv_bench.py ${CONV_ARGS:-} --json "$OUT/conv.json" \
     --markdown "$OUT/conv.md" > "$OUT/conv.log" 2>&1
 fi
-if has wgradbench; then  # the weight gradient alone: kernel against mask backward + cuDNN
-  alternate wgrad.log 200 2 python3 scripts/wgrad_bench.py ${WGRAD_ARGS:-}
-fi
-if has wgradprobe; then  # the weight gradient's kernel without its loads (Nsight Compute durations)
-  timeout 420 python3 scripts/wgrad_probe.py --layouts nchw nhwc > "$OUT/wgrad_probe.log" 2>&1
-fi
-if has kernellimits; then  # occupancy, issue, DRAM and stall reasons of the fused kernels (Nsight)
-  timeout 420 python3 scripts/kernel_limits.py > "$OUT/kernel_limits.log" 2>&1
-fi
 if has models; then  # training real models: eager, floor, ours, compiled (slow: compiles)
   timeout ${MODELS_TIMEOUT:-540} python3 scripts/models.py --json "$OUT/models.json" ${MODELS_ARGS:-} \
     > "$OUT/models.log" 2>&1
@@ -226,7 +216,5 @@ done
 [ -f "$OUT/cpu_path.log" ] && cat "$OUT/cpu_path.log"
 [ -f "$OUT/tune.log" ] && cat "$OUT/tune.log"
 [ -f "$OUT/models.log" ] && tail -n 15 "$OUT/models.log"
-[ -f "$OUT/wgrad.log" ] && cat "$OUT/wgrad.log"
-[ -f "$OUT/wgrad_probe.log" ] && cat "$OUT/wgrad_probe.log"
 [ -f "$OUT/kernelbench.log" ] && tail -n 12 "$OUT/kernelbench.log"
 exit 0

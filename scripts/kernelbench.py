@@ -30,6 +30,7 @@ import argparse
 import json
 import statistics
 
+import measure  # scripts/measure.py
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -181,6 +182,7 @@ def main() -> None:
     ap.add_argument("--perf-trials", type=int, default=100)
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
+    measure.require_gpu("kernelbench.py")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(
         f"{'problem':36s} {'variant':24s} {'correct':>7s} {'bits':>5s} {'max err':>8s} "

@@ -73,7 +73,7 @@ from cupy_act import testing
 from cupy_act.torch import _traced
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import step_profile  # noqa: E402  (device time by kernel kind)
+import measure  # noqa: E402  (scripts/measure.py: environment, device time by kernel kind)
 from overhead import BareBatchNormAct  # noqa: E402  (the fused BatchNorm's floor)
 from train import mlp_model  # noqa: E402  (the project's MLP)
 
@@ -306,7 +306,7 @@ def same_bits(a, b) -> bool:
     return torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
-def measure(name, eager, shape, classes, integer, batch, args):
+def eager_row(name, eager, shape, classes, integer, batch, args):
     """One row of the eager table: step times, peak memory, loss equality."""
     device = torch.device(args.device)
     data = batches(shape, classes, integer, batch, args)
@@ -330,9 +330,7 @@ def measure(name, eager, shape, classes, integer, batch, args):
     runs = {v: Run(eager, v, device, classes) for v in variants}
     interleave(runs, data[: args.block or None], row, args.rounds)
     if args.profile:
-        row["profile"] = {
-            v: step_profile.breakdown(lambda r=r: r.step(*data[0])) for v, r in runs.items()
-        }
+        row["profile"] = {v: measure.profile(lambda r=r: r.step(*data[0])) for v, r in runs.items()}
     return row
 
 
@@ -396,9 +394,7 @@ def measure_compiled(row, eager, shape, classes, integer, args):
     runs = {v: Run(eager, v, device, classes) for v in variants}
     interleave(runs, data[: args.block or None], row, args.rounds)
     if args.profile:
-        row["profile"] = {
-            v: step_profile.breakdown(lambda r=r: r.step(*data[0])) for v, r in runs.items()
-        }
+        row["profile"] = {v: measure.profile(lambda r=r: r.step(*data[0])) for v, r in runs.items()}
     runs = None
     _fresh()
 
@@ -591,11 +587,10 @@ def main() -> None:
     allow_recompiles()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("models.py: no CUDA device here (--device cpu --small runs anywhere)")
-    where = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     print(
-        f"{where}, torch {torch.__version__}; step ms (median of {args.rounds} blocks of "
-        f"{args.block or args.steps} steps), peak MiB of a step, losses over {args.steps} steps"
-        f" bit-equal"
+        f"{measure.header(measure.environment())} ({args.device}); step ms (median of "
+        f"{args.rounds} blocks of {args.block or args.steps} steps), peak MiB of a step, "
+        f"losses over {args.steps} steps bit-equal"
     )
     rows: list[dict] = []
     for setting in args.cudnn:
@@ -618,12 +613,12 @@ def main() -> None:
                 continue
             print(f"\n{name}, cudnn {setting}")
             for batch in [] if args.no_eager else args.batches:
-                rows.append(measure(name, *built, batch, args))
+                rows.append(eager_row(name, *built, batch, args))
                 print_row(rows[-1])
                 if args.bn:
                     print_bn(rows[-1])
                 if args.profile:
-                    step_profile.print_table(rows[-1]["profile"])
+                    measure.print_profile(rows[-1]["profile"])
                 save(rows, args.json)
             for batch in args.compile_batches if args.compiled else []:
                 row = {"model": name, "batch": batch, "cudnn": setting, "table": "compiled"}
@@ -631,7 +626,7 @@ def main() -> None:
                 rows.append(row)
                 print_compiled(row, args.compiled)
                 if args.profile:
-                    step_profile.print_table(row["profile"])
+                    measure.print_profile(row["profile"])
                 if args.bn:
                     print_bn_against_compile(rows, row)
                 save(rows, args.json)

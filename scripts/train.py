@@ -162,6 +162,14 @@ def bits_equal(a, b) -> bool:
 
 
 def run_ddp(args) -> None:
+    if "RANK" not in os.environ:
+        raise SystemExit("train.py --ddp: run it under torchrun (torchrun --nproc_per_node=2 ...)")
+    if not torch.distributed.is_nccl_available() or torch.cuda.device_count() < 1:
+        raise SystemExit(
+            "train.py --ddp: needs NCCL and one NVIDIA GPU per process; this torch "
+            f"({torch.__version__}) sees {torch.cuda.device_count()} GPU(s), NCCL "
+            f"{'available' if torch.distributed.is_nccl_available() else 'not built in'}"
+        )
     torch.distributed.init_process_group("nccl")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
@@ -207,8 +215,16 @@ def main(argv=None) -> None:
     ap.add_argument("--json", help="write losses and measurements here")
     ap.add_argument("--plot", help="write a PNG of the loss curves here")
     args = ap.parse_args(argv)
+    if args.plot:  # (before training, not after it)
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit("train.py --plot: needs matplotlib (pip install matplotlib)") from None
     if args.ddp:
         return run_ddp(args)
+    if args.device == "cpu" and not args.small:
+        print("train.py: on the CPU without --small the GPU-sized models take many minutes "
+              "per backend; --small shrinks them", flush=True)  # fmt: skip
     # Deterministic convolution algorithms, so that equal inputs give equal gradients.
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     device = torch.device(args.device)

@@ -984,8 +984,20 @@ def ddp_batchnorm(device):
     dist.destroy_process_group()
 
 
+USAGE = """usage: python tests/conformance_rows.py ROW DEVICE
+
+Runs one conformance row (tests/test_conformance.py runs each in a fresh
+process) and prints "PASS ROW DEVICE". DEVICE is one the row lists: cpu,
+cuda, cuda:1 (the distributed rows run under torchrun). Rows:
+"""
+
+
 def main(argv) -> int:
     global ct, testing
+    if len(argv) != 2 or argv[0] not in ROWS or argv[1] not in ROWS[argv[0]].devices:
+        rows = "\n".join(f"  {n}: {' '.join(r.devices)}" for n, r in ROWS.items())
+        print(USAGE + rows, file=sys.stderr if argv and argv[0] not in ("-h", "--help") else None)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     name, device = argv
     r = ROWS[name]
     import mutants  # (a deliberate bug where CUPY_ACT_MUTANT names one: tests/mutants.py)

@@ -50,6 +50,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.hookimpl(trylast=True)  # (after -m and -k have deselected)
+def pytest_collection_finish(session):
+    """Start the NVRTC compiles the selected PTX tests need (tests/ptx.py), so
+    that they run beside the rest of the suite."""
+    pairs = [
+        (item.callspec.params["arch"], item.callspec.params["source"])
+        for item in session.items
+        if getattr(item, "originalname", "") == "test_fused_kernel_ptx"
+    ]
+    if pairs:
+        import ptx
+
+        ptx.prefetch(pairs)
+
+
 def run_json(script: str, args, out: Path, timeout: int = 900):
     """Run scripts/<script> with ``args`` and ``--json out`` (this checkout on
     PYTHONPATH); assert it succeeded and return the JSON it wrote."""

@@ -93,22 +93,24 @@ def _cpu_launcher_checks_dropped():
     from cupy_act import _batchnorm, _conv, _launch
 
     _launch.Launch.checked = lambda self, have, *args: self(*args)
-    _conv.check_extents = lambda *a: None
+    for module in (_conv.forward, _conv.wgrad, _conv.dgrad):
+        module.check_extents = lambda *a: None
     _batchnorm._refuse = lambda *a: None
 
 
 def _cpu_conv_dilation_ignored():
     from cupy_act import _conv
 
-    real = _conv._geometry
-    _conv._geometry = lambda fname, xs, ws, s, p, d: real(fname, xs, ws, s, p, 1)
+    real = _conv.shapes._geometry
+    _conv.shapes._geometry = lambda fname, xs, ws, s, p, d: real(fname, xs, ws, s, p, 1)
 
 
 def _cpu_conv_bias_check_dropped():
-    from cupy_act.torch import conv
+    from cupy_act.torch import _conv_checks, conv
 
-    real = conv._check
-    conv._check = lambda x, w, b, *a: real(x, w, None, *a)
+    real = _conv_checks._check
+    for module in (conv, _conv_checks):
+        module._check = lambda x, w, b, *a: real(x, w, None, *a)
 
 
 _CPU = {

@@ -292,7 +292,7 @@ def test_launch_plan(act, channels_last, monkeypatch):
     assert not odd.vector and _batchnorm.plan(odd, 256).width == 1
 
 
-@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("arch", [75, 80, 90])  # (7.5: README's T4 and RTX 20xx)
 def test_kernels_compile_with_nvrtc(arch):
     """Every instantiation compiles, takes the parameter block the host packs,
     and uses no local memory."""
@@ -653,19 +653,57 @@ def test_fuse_inplace_where_the_input_is_a_convolution_output():
 
 def test_fuse_inplace_keeps_zero_weights_in_the_default_mode():
     """A zero-initialized weight (timm's zero_init_last) cannot be inverted: the
-    fuser keeps that BatchNorm in the default mode and names it."""
+    fuser keeps that BatchNorm in the default mode and names it; so for a ReLU
+    pair (ReLU's output does not give back its input), with its reason."""
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.LeakyReLU(0.1))
     model.append(nn.Conv2d(4, 4, 3)).append(nn.BatchNorm2d(4)).append(nn.LeakyReLU(0.1))
     nn.init.zeros_(model[4].weight)
-    with pytest.warns(UserWarning, match=r"1 BatchNorm\(s\) with a zero in their weight \(4\)"):
+    match = r"1 BatchNorm\(s\) \(4\) keep memory='default', as they have a zero in their weight"
+    with pytest.warns(UserWarning, match=match):
         model, count = ct.fuse_batchnorm_act(model, memory="inplace")
     assert count == 2 and [model[1].memory, model[4].memory] == ["inplace", "default"]
     relu = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
     nn.init.zeros_(relu[1].weight)
-    with warnings.catch_warnings():  # (ReLU keeps the default anyway: nothing to name)
-        warnings.simplefilter("error")
+    with pytest.warns(UserWarning, match=r"\(1\) keep memory='default', as their activation does"):
         relu, count = ct.fuse_batchnorm_act(relu, memory="inplace")
     assert count == 1 and relu[1].memory == "default"
+
+
+class _CalledFromForward(nn.Module):
+    """BatchNorm and ReLU called from forward, as torchvision's blocks do."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.relu = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()
+
+    def forward(self, x):
+        return self.relu(self.bn(self.conv(x)))
+
+
+def test_fusers_say_what_they_leave():
+    """fuse_batchnorm_act warns where it fuses nothing or less than the model
+    holds, naming the FX fuser for pairs a forward makes; both fusers refuse
+    a compiled model, as replace_activations does; with nothing left over,
+    nothing is said."""
+    with pytest.warns(UserWarning, match="fused nothing: the model has no nn.BatchNorm2d"):
+        _, count = ct.fuse_batchnorm_act(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()))
+    assert count == 0
+    model = _CalledFromForward()
+    with pytest.warns(UserWarning, match=r"fused 0 .* \(bn\) .*fuse_batchnorm_act_fx\(model\)"):
+        _, count = ct.fuse_batchnorm_act(model)
+    assert count == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gm, count = ct.fuse_batchnorm_act_fx(model)
+        assert count == 1
+        _, count = ct.fuse_batchnorm_act(nn.Sequential(nn.BatchNorm2d(4), nn.ReLU()))
+        assert count == 1
+    for fuser in (ct.fuse_batchnorm_act, ct.fuse_batchnorm_act_fx):
+        name = fuser.__name__
+        with pytest.raises(TypeError, match=rf"{name}: the model is a torch.compile'd module"):
+            fuser(torch.compile(_CalledFromForward()))
+        with pytest.raises(TypeError, match=rf"{name}\(model\) first, then torch.compile"):
+            fuser(torch.compile(_CalledFromForward()))
 
 
 @pytest.mark.gpu

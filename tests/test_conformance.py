@@ -18,13 +18,20 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "conformance_rows.py"
 
 
+# Inductor's C++ compiles of the CPU rows (compile_*, export_*: 3-5 s each on
+# a 2-core machine, more with a cold cache) run in the exhaustive pass
+# (pytest -m slow, which .ci/run runs too); on a GPU every row runs.
+INDUCTOR_ROWS = ("compile", "export")
+
+
+def _marks(name: str, device: str) -> list:
+    if device.startswith("cuda"):
+        return [pytest.mark.gpu]
+    return [pytest.mark.slow] if name.startswith(INDUCTOR_ROWS) else []
+
+
 PARAMS = [
-    pytest.param(
-        name,
-        device,
-        marks=[pytest.mark.gpu] if device.startswith("cuda") else [],
-        id=f"{name}-{device}",
-    )
+    pytest.param(name, device, marks=_marks(name, device), id=f"{name}-{device}")
     for name, r in ROWS.items()
     for device in r.devices
 ]

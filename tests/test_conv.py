@@ -19,10 +19,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("cupy")
 
 import torch.nn.functional as F  # noqa: E402
+from ptx import SOURCES, compiled  # noqa: E402
 
 import cupy_act.torch as ct  # noqa: E402
 from cupy_act import _conv, _source, mask_nbytes, testing  # noqa: E402
-from cupy_act.torch import _impl, conv  # noqa: E402
+from cupy_act.torch import _conv_checks, _impl, conv  # noqa: E402
 
 gpu = pytest.mark.gpu
 DIVISOR, SLOPE = 2.0, 0.01
@@ -33,38 +34,6 @@ def block(x, w, b, stride=1, padding=0, dilation=1, divisor=DIVISOR, slope=SLOPE
 
 
 # ---- NVRTC: compiles without a GPU; the PTX has what the design relies on ----
-
-
-SOURCES = {  # the fused convolution's modules: source and instantiations
-    "forward": (_conv.SOURCE, _conv.all_kernel_names()),
-    "wgrad": (_conv.WGRAD_SOURCE, _conv.all_wgrad_kernel_names()),
-    "dgrad": (_conv.DGRAD_SOURCE, _conv.all_dgrad_kernel_names()),
-}
-
-
-@functools.cache
-def compiled(arch: int, source: str = "forward"):
-    from cupy_backends.cuda.libs import nvrtc
-
-    from cupy_act._source import assembled_source
-
-    fname, names = SOURCES[source]
-    prog = nvrtc.createProgram(assembled_source(fname), fname, (), ())
-    try:
-        for name in names:
-            nvrtc.addNameExpression(prog, name)
-        opts = ("--std=c++17", "-ftz=true", "--device-as-default-execution-space")
-        nvrtc.compileProgram(prog, (*opts, f"-arch=sm_{arch}", "-Xptxas=-v"))
-        log = nvrtc.getProgramLog(prog)
-        nvrtc.destroyProgram(prog)
-        prog = nvrtc.createProgram(assembled_source(fname), fname, (), ())
-        for name in names:
-            nvrtc.addNameExpression(prog, name)
-        nvrtc.compileProgram(prog, (*opts, f"-arch=compute_{arch}"))
-        ptx = nvrtc.getPTX(prog).decode()
-    finally:
-        nvrtc.destroyProgram(prog)
-    return ptx, log
 
 
 # sm_80 (mma.sync, cp.async) and sm_90a (warpgroup MMAs, tensor copies) hold
@@ -95,7 +64,7 @@ def test_fused_kernel_ptx(arch, source):
     assert ".local" not in ptx and "__local_depot" not in ptx
     assert len(re.findall(r"^\.(?:visible|weak) \.entry ", ptx, re.M)) == len(SOURCES[source][1])
     sizes = set(re.findall(r"\.param \.align \d+ \.b8 \S+_param_0\[(\d+)\]", ptx))
-    assert sizes == {str(_conv._PARAMS.size)}
+    assert sizes == {str(_conv.kernels._PARAMS.size)}
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert spills and all(s == ("0", "0") for s in spills), log
 
@@ -208,7 +177,7 @@ def test_launch_tiling_spaces_patch_rows_within_the_same_limit(
     assert spaced._replace(patch_w=t.patch_w, smem=t.smem) == t
     limit = _conv.SMEM_TARGET[n_passes] if t.smem <= _conv.SMEM_TARGET[n_passes] else _conv.SMEM_MAX
     assert spaced.smem <= limit
-    cost, kernel = _conv._patch_wavefronts, "forward_wgmma" if wgmma else "forward"
+    cost, kernel = _conv.shapes._patch_wavefronts, "forward_wgmma" if wgmma else "forward"
     assert cost(g, kernel, t, spaced.patch_w) <= cost(g, kernel, t, t.patch_w)
 
 
@@ -222,14 +191,14 @@ def test_seed_patch_loads_take_one_wavefront_each():
     g = _conv.geometry("f", (128, 8, 128, 128), (64, 8, 3, 3))
     t = _conv.tiling(g, 3)
     assert t.patch_w == 130 and _conv.launch_tiling(g, 3).patch_w == 138
-    assert _conv._patch_wavefronts(g, "forward", t, 130) == 72
-    assert _conv._patch_wavefronts(g, "forward", t, 138) == 36
+    assert _conv.shapes._patch_wavefronts(g, "forward", t, 130) == 72
+    assert _conv.shapes._patch_wavefronts(g, "forward", t, 138) == 36
     assert _conv.launch_tiling(g, 3, True).patch_w == 131
-    assert _conv._patch_wavefronts(g, "forward_wgmma", t, 138) == 144
-    assert _conv._patch_wavefronts(g, "forward_wgmma", t, 131) == 72
+    assert _conv.shapes._patch_wavefronts(g, "forward_wgmma", t, 138) == 144
+    assert _conv.shapes._patch_wavefronts(g, "forward_wgmma", t, 131) == 72
     w = _conv.wgrad_tiling(g, 3)
-    assert _conv._patch_wavefronts(g, "wgrad", w, 130) == 164
-    assert _conv._patch_wavefronts(g, "wgrad", w, 139) == 54
+    assert _conv.shapes._patch_wavefronts(g, "wgrad", w, 130) == 164
+    assert _conv.shapes._patch_wavefronts(g, "wgrad", w, 139) == 54
 
 
 def test_tiling_splits_channels_evenly_and_refuses_what_cannot_fit():
@@ -268,7 +237,7 @@ def _xwb(xs=(2, 3, 9, 11), ws=(5, 3, 3, 3), device="cpu", dtype=torch.float32, s
 )
 def test_torch_api_errors(kw, exc, match):
     x, w, b = _xwb()
-    args = dict(bias=b) | kw
+    args = dict(bias=b, divisor=DIVISOR) | kw
     with pytest.raises(exc, match=re.escape(match)):
         ct.conv2d_div_leaky_relu(x, w, **args)
 
@@ -276,7 +245,7 @@ def test_torch_api_errors(kw, exc, match):
 def test_torch_api_refuses_non_tensors():
     x, w, _ = _xwb()
     with pytest.raises(TypeError, match="weight must be a torch.Tensor"):
-        ct.conv2d_div_leaky_relu(x, w.numpy())
+        ct.conv2d_div_leaky_relu(x, w.numpy(), None, DIVISOR)
 
 
 @pytest.mark.parametrize("algorithm", conv.ALGORITHMS)
@@ -604,7 +573,7 @@ def test_forward_tmap_takes_aligned_rings_on_sm90_only(monkeypatch):
             took.append(units)
             if not units:
                 continue
-            m = _conv._x_map(g, t, itemsize)
+            m = _conv.forward._x_map(g, t, itemsize)
             box = m._args[4]
             assert box[0] * itemsize % 16 == 0 and t.patch_w <= box[0] < t.patch_w + 16 // itemsize
             assert (box[1], box[2], box[3]) == (min(g.stride[0], t.patch_h), t.cc, 1)
@@ -614,9 +583,9 @@ def test_forward_tmap_takes_aligned_rings_on_sm90_only(monkeypatch):
     g = _conv.geometry("f", *seed)
     t = _conv.launch_tiling(g, 3, True)
     assert _conv.forward_tmap(g, t, 3, 4, 256, 90)
-    monkeypatch.setattr(_conv, "FORWARD_TMAP", False)
+    monkeypatch.setattr(_conv.forward, "FORWARD_TMAP", False)
     assert not _conv.forward_tmap(g, t, 3, 4, 256, 90)
-    monkeypatch.setattr(_conv, "FORWARD_TMAP", True)
+    monkeypatch.setattr(_conv.forward, "FORWARD_TMAP", True)
     # float32: tensor copies only where the cp.async staging would run
     for xs, ws, stride, padding, dilation in (*WIDE_CASES, *STAGED_CASES):
         g = _conv.geometry("f", xs, ws, stride, padding, dilation)
@@ -627,17 +596,19 @@ def test_forward_tmap_takes_aligned_rings_on_sm90_only(monkeypatch):
 
 
 def test_prepared_params_take_each_calls_addresses_and_scalars():
-    """A prepared launch's ConvParams (_conv._params, worked out once per
+    """A prepared launch's ConvParams (_conv.kernels._params, worked out once per
     shape) with one call's addresses and scalars filled in (Prepared.fill)
     are the fields the kernels read, in their places; a second call leaves
     nothing of the first."""
     g = _conv.geometry("f", (3, 5, 20, 30), (7, 5, 3, 3), 2, 1, 1)
     t = _conv.launch_tiling(g, 3)
-    k = _conv.Prepared(0, 0, (1, 1), 128, t.smem, _conv._params(g, t, 0, 0, 0, 11, 13))
+    k = _conv.Prepared(0, 0, (1, 1), 128, t.smem, _conv.kernels._params(g, t, 0, 0, 0, 11, 13))
     for base, slope, scale in ((1, 0.25, 0.5), (100, -0.0, 3.0)):
         s = k.fill(base, base + 1, base + 2, base + 3, base + 4, slope, scale)
-        _conv._GRAD_ADDRESSES.pack_into(s.buf, _conv._GRADS_AT, base + 5, base + 6, base + 7)
-        f = _conv._PARAMS.unpack(s.buf.raw)
+        _conv.kernels._GRAD_ADDRESSES.pack_into(
+            s.buf, _conv.kernels._GRADS_AT, base + 5, base + 6, base + 7
+        )
+        f = _conv.kernels._PARAMS.unpack(s.buf.raw)
         assert f[:5] == tuple(range(base, base + 5))
         assert f[5:14] == (g.n, g.cin, g.h, g.w, g.cout, g.oh, g.ow, g.kh, g.kw)
         assert f[14:20] == (*g.stride, *g.padding, *g.dilation)
@@ -660,25 +631,27 @@ def _record_launches(monkeypatch, sm: int = 90) -> list:
 
     def run(ptr, ctx, grid, threads, stream, argv, smem=0):
         desc = None
-        if argv != _conv._scratch.argv_ptr:  # (params, map) as the kernel's two parameters
+        if argv != _conv.kernels._scratch.argv_ptr:  # (params, map) as the kernel's two parameters
             params, desc = (ctypes.c_void_p * 2).from_address(argv)
-            assert params == ctypes.addressof(_conv._scratch.buf)
-        launched.append((ptr, grid, smem, _conv._PARAMS.unpack(_conv._scratch.buf.raw), desc))
+            assert params == ctypes.addressof(_conv.kernels._scratch.buf)
+        launched.append(
+            (ptr, grid, smem, _conv.kernels._PARAMS.unpack(_conv.kernels._scratch.buf.raw), desc)
+        )
 
     class FakeMap:
         def at(self, address):
             return (b"", 0xD0 + address % 16)
 
     monkeypatch.setattr(_conv._launch, "run", run)
-    monkeypatch.setattr(_conv, "_sm", lambda device: sm)
-    monkeypatch.setattr(_conv, "_device_name", lambda device: H100)
-    monkeypatch.setattr(_conv, "_blocks", lambda device, k, smem: 3 * 132)
-    monkeypatch.setattr(_conv, "_allow_smem", lambda k, nbytes: None)
+    monkeypatch.setattr(_conv.kernels, "_sm", lambda device: sm)
+    monkeypatch.setattr(_conv.kernels, "_device_name", lambda device: H100)
+    monkeypatch.setattr(_conv.kernels, "_blocks", lambda device, k, smem: 3 * 132)
+    monkeypatch.setattr(_conv.kernels, "_allow_smem", lambda k, nbytes: None)
     monkeypatch.setattr(_conv._tensormap, "available", lambda: True)
-    monkeypatch.setattr(_conv, "_x_map", lambda *args: FakeMap())
-    monkeypatch.setattr(_conv, "_dy_map", lambda *args: FakeMap())
-    monkeypatch.setattr(_conv, "_forward_launches", {})
-    monkeypatch.setattr(_conv, "_wgrad_plans", {})
+    monkeypatch.setattr(_conv.forward, "_x_map", lambda *args: FakeMap())
+    monkeypatch.setattr(_conv.wgrad, "_dy_map", lambda *args: FakeMap())
+    monkeypatch.setattr(_conv.forward, "_forward_launches", {})
+    monkeypatch.setattr(_conv.wgrad, "_wgrad_plans", {})
     return launched
 
 
@@ -690,9 +663,9 @@ def test_forward_launch_picks_its_kernel_per_call(monkeypatch):
     ConvParams; an empty output launches nothing."""
     launched = _record_launches(monkeypatch)
     kernels = _conv.ForwardKernels(_conv.ConvKernel(1, 7, None), _conv.ConvKernel(2, 7, None))
-    monkeypatch.setattr(_conv, "kernel", lambda *args: kernels)
+    monkeypatch.setattr(_conv.forward, "kernel", lambda *args: kernels)
     seed = _conv.geometry("f", (128, 8, 128, 128), (64, 8, 3, 3))
-    slope, scale = _conv._scalars(0.01, 2.0, "f")
+    slope, scale = _conv.kernels._scalars(0.01, 2.0, "f")
 
     def go(g, x, precision="fp32"):
         launched.clear()
@@ -712,7 +685,7 @@ def test_forward_launch_picks_its_kernel_per_call(monkeypatch):
     assert go(seed, 256, "tf32")[0][0] == 2
     odd = _conv.geometry("f", *WIDE_CASES[2])  # 133 columns: no whole 16-byte rows
     assert go(odd, 256)[0][0] == 1
-    monkeypatch.setattr(_conv, "FORWARD_TMAP", False)
+    monkeypatch.setattr(_conv.forward, "FORWARD_TMAP", False)
     assert go(seed, 256)[0][0] == 1
     assert go(_conv.geometry("f", (0, 8, 128, 128), (64, 8, 3, 3)), 256) == []
 
@@ -729,7 +702,7 @@ def test_eager_forward_keeps_its_launch_per_kind_of_call(monkeypatch):
 
     launched = _record_launches(monkeypatch)
     kernels = _conv.ForwardKernels(_conv.ConvKernel(1, 7, None), _conv.ConvKernel(2, 7, None))
-    monkeypatch.setattr(_conv, "kernel", lambda *args: kernels)
+    monkeypatch.setattr(_conv.forward, "kernel", lambda *args: kernels)
     monkeypatch.setattr(_impl, "_raw_stream", lambda dev: 5)
     zeroed = []  # (the mask's address and bytes, launches before)
 
@@ -745,7 +718,7 @@ def test_eager_forward_keeps_its_launch_per_kind_of_call(monkeypatch):
 
     def checked(g):
         spd = (g.stride, g.padding, g.dilation)
-        return conv._Checked(g.padding, (True, True), spd, g, {}, {})
+        return _conv_checks._Checked(g.padding, (True, True), spd, g, {}, {})
 
     x, w, b = _xwb((2, 8, 20, 20), (16, 8, 3, 3))
     g = _conv.geometry("f", x.shape, w.shape)
@@ -766,13 +739,13 @@ def test_eager_forward_keeps_its_launch_per_kind_of_call(monkeypatch):
     for _ in range(2):
         y, (f,) = go(c)
         assert f[:5] == (x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), 0)
-        assert f[28:30] == _conv._scalars(0.01, 2.0, "f")
+        assert f[28:30] == _conv.kernels._scalars(0.01, 2.0, "f")
     for _ in range(2):  # the training forward: the same launch, a mask each call
         y, (f,), mask = go(c, with_mask=True)
         assert f[:5] == (x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), mask.data_ptr())
     assert len(looked) == 1
     go(c, tf32=False)
-    monkeypatch.setattr(_conv, "FORWARD_SEAMS", False)
+    monkeypatch.setattr(_conv.forward, "FORWARD_SEAMS", False)
     go(c, tf32=False)
     assert len(looked) == 3
     strided = w.permute(1, 0, 2, 3).contiguous().permute(1, 0, 2, 3)
@@ -787,12 +760,12 @@ def test_eager_forward_keeps_its_launch_per_kind_of_call(monkeypatch):
 
 
 def test_kernel_scalars_keep_the_sign_of_a_zero_slope():
-    """_conv._scalars keeps rounded scalars per value, but 0.0 and -0.0 are
+    """_conv.kernels._scalars keeps rounded scalars per value, but 0.0 and -0.0 are
     equal keys with different results (x * -0.0 is +0.0 for negative x):
     each gets its own sign, in either order."""
     for first, second in ((0.0, -0.0), (-0.0, 0.0)):
         for slope in (first, second, first):
-            got, _ = _conv._scalars(slope, 2.0, "f")
+            got, _ = _conv.kernels._scalars(slope, 2.0, "f")
             assert math.copysign(1, got) == math.copysign(1, slope)
 
 
@@ -802,16 +775,16 @@ def test_checked_calls_are_kept_only_for_exact_plain_arguments():
     zero divisor still raise, as do wrong types; lists are checked each
     time, with the same result."""
     x, w, b = torch.randn(2, 3, 9, 9), torch.randn(4, 3, 3, 3), torch.randn(4)
-    conv._checks.clear()
+    _conv_checks._checks.clear()
     first = conv._checked(x, w, b, 2.0, 0.01, 1, 1, 1, "fused")
     assert conv._checked(x, w, b, 2.0, 0.01, 1, 1, 1, "fused") is first
-    assert len(conv._checks) == 1 and first.pad == (1, 1)
+    assert len(_conv_checks._checks) == 1 and first.pad == (1, 1)
     assert conv._checked(x, w, b, 2.0, 0.01, [1, 1], [1, 1], (1, 1), "fused") == first
-    assert len(conv._checks) == 2  # lists kept as pairs of exact ints
+    assert len(_conv_checks._checks) == 2  # lists kept as pairs of exact ints
     with pytest.raises(ValueError, match="padding=True"):
         conv._checked(x, w, b, 2.0, 0.01, 1, True, 1, "fused")
     conv._checked(x, w, b, 2.0, 0.01, True, 1, 1, "fused")  # (CPU: F.conv2d's to check)
-    assert len(conv._checks) == 2  # a bool is never part of a key
+    assert len(_conv_checks._checks) == 2  # a bool is never part of a key
     with pytest.raises(ValueError, match="padding=\\(True, 1\\)"):
         conv._checked(x, w, b, 2.0, 0.01, 1, (True, 1), 1, "fused")
     with pytest.raises(ValueError, match="divisor"):
@@ -846,7 +819,7 @@ def test_fused_forward_staged_rows_match_plain_loads(case, dtype, algorithm, mon
     tf32 = algorithm == "fused_tf32"
     y, mask = conv.fused_forward(x, w, b, DIVISOR, SLOPE, *spd, tf32, True)
     y2, mask2 = conv.fused_forward(shifted, w, b, DIVISOR, SLOPE, *spd, tf32, True)
-    monkeypatch.setattr(_conv, "FORWARD_TMAP", False)
+    monkeypatch.setattr(_conv.forward, "FORWARD_TMAP", False)
     y3, mask3 = conv.fused_forward(x, w, b, DIVISOR, SLOPE, *spd, tf32, True)
     bits = torch.int16 if y.element_size() == 2 else torch.int32
     assert torch.equal(y.view(bits), y2.view(bits))
@@ -883,7 +856,7 @@ def test_seam_bytes_where_the_kernel_takes_them(monkeypatch):
         tl = _conv.launch_tiling(g, n_passes, True)
         return _conv.seam_bytes(g, tl, n_passes, dtype, sm, cl, name)
 
-    assert _conv.FORWARD_SEAMS is None
+    assert _conv.forward.FORWARD_SEAMS is None
     # by default: the seed and 110 columns on an H100; not 66, 98, 112 or
     # 124 columns (the seam cases' 66 and 98, the stem's 112, the 5x5
     # shape's 124), nor on an H200
@@ -893,7 +866,7 @@ def test_seam_bytes_where_the_kernel_takes_them(monkeypatch):
         assert seams(((2, 8, 128, w), (64, 8, 3, 3), 1, 0, 1), name=H100) == 0, w
     assert seams(seed) == seams(SEAM_CASES[2], name=H100) == seams(SEAM_CASES[1], name=H100) == 0
     assert [ow for ow in range(64, 129) if _conv.seams_pay(H100, ow)] == list(range(102, 127, 4))
-    monkeypatch.setattr(_conv, "FORWARD_SEAMS", True)
+    monkeypatch.setattr(_conv.forward, "FORWARD_SEAMS", True)
     for case in (*SEAM_CASES, seed):
         assert seams(case) == _conv.SEAM_BYTES
         g = _conv.geometry("f", *case)
@@ -902,20 +875,20 @@ def test_seam_bytes_where_the_kernel_takes_them(monkeypatch):
         assert seams(case, cl=True) == seams(case, sm=80) == seams(case, sm=100) == 0
     for xs in ((2, 8, 128, 130), (2, 8, 128, 129), (2, 8, 127, 128), (2, 8, 20, 60)):
         assert seams((xs, (64, 8, 3, 3), 1, 0, 1)) == 0, xs  # 128, odd, 125 x 126, 58 columns
-    monkeypatch.setattr(_conv, "FORWARD_SEAMS", False)
+    monkeypatch.setattr(_conv.forward, "FORWARD_SEAMS", False)
     assert seams(seed) == seams(seed, name=H100) == 0
-    monkeypatch.setattr(_conv, "FORWARD_SEAMS", None)
+    monkeypatch.setattr(_conv.forward, "FORWARD_SEAMS", None)
     launched = _record_launches(monkeypatch)
     kernels = _conv.ForwardKernels(_conv.ConvKernel(1, 7, None), _conv.ConvKernel(2, 7, None))
-    monkeypatch.setattr(_conv, "kernel", lambda *args: kernels)
+    monkeypatch.setattr(_conv.forward, "kernel", lambda *args: kernels)
     g = _conv.geometry("f", *seed)
     _conv.launch(
         0, "float32", "tf32", False, g, 5, 256, 16, 32, 48, 64, 0.01, 2.0, "f",
         have=_conv.extents(g, "float32"),
     )  # fmt: skip
     assert launched[0][2] == _conv.launch_tiling(g, 1, True).smem + _conv.SEAM_BYTES
-    monkeypatch.setattr(_conv, "_device_name", lambda device: H200)  # (another machine)
-    monkeypatch.setattr(_conv, "_forward_launches", {})
+    monkeypatch.setattr(_conv.kernels, "_device_name", lambda device: H200)  # (another machine)
+    monkeypatch.setattr(_conv.forward, "_forward_launches", {})
     _conv.launch(
         0, "float32", "tf32", False, g, 5, 256, 16, 32, 48, 64, 0.01, 2.0, "f",
         have=_conv.extents(g, "float32"),
@@ -1027,11 +1000,11 @@ def test_fused_forward_row_seams_match_each_tile_storing_its_rows(case, monkeypa
     bit the output and mask of the same forward without the seams
     (FORWARD_SEAMS off); with y on a 128-byte boundary, 16 bytes past one
     (seams still taken) and 4 bytes past one (not 16-byte aligned: none)."""
-    monkeypatch.setattr(_conv, "FORWARD_SEAMS", True)  # (on any sm_90 device, any width)
+    monkeypatch.setattr(_conv.forward, "FORWARD_SEAMS", True)  # (on any sm_90 device, any width)
     _check_accuracy(SEAM_CASES[case], 300 + case, torch.float32, "fused_tf32", False)
     forward, g, _ = _forward_at(SEAM_CASES[case], 300 + case, "tf32")
     runs = [forward(offset) for offset in (0, 4, 1)]
-    monkeypatch.setattr(_conv, "FORWARD_SEAMS", False)
+    monkeypatch.setattr(_conv.forward, "FORWARD_SEAMS", False)
     plain, plain_mask = forward(0)
     for y, mask in runs:
         assert torch.equal(y, plain) and torch.equal(mask, plain_mask)
@@ -1233,7 +1206,7 @@ def test_training_forward_zeroes_its_mask_on_poisoned_memory(tf32, cl):
 def test_fused_input_without_grad_skips_the_input_gradient():
     x, w, b = _xwb((2, 3, 9, 11), (5, 3, 3, 3), "cuda")
     w.requires_grad_()
-    ct.conv2d_div_leaky_relu(x, w, b, algorithm="fused").sum().backward()
+    ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, algorithm="fused").sum().backward()
     assert x.grad is None and w.grad is not None
 
 
@@ -1277,7 +1250,7 @@ def test_eager_training_refuses_a_second_derivative():
     once differentiable: the kernels have no derivative), not a silent zero."""
     x, w, b = _xwb((2, 3, 9, 11), (5, 3, 3, 3), "cuda")
     w.requires_grad_()
-    y = ct.conv2d_div_leaky_relu(x, w, b, algorithm="fused")
+    y = ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, algorithm="fused")
     (gw,) = torch.autograd.grad((y * y).sum(), w, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         gw.sum().backward()
@@ -1305,19 +1278,19 @@ def test_fused_under_torch_compile_and_opcheck():
 @gpu
 def test_fused_in_a_cuda_graph():
     x, w, b = _xwb((2, 3, 16, 16), (8, 3, 3, 3), "cuda")
-    eager = ct.conv2d_div_leaky_relu(x, w, b, algorithm="fused")
+    eager = ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, algorithm="fused")
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        ct.conv2d_div_leaky_relu(x, w, b, algorithm="fused")  # compile and load first
+        ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, algorithm="fused")  # compile and load first
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = ct.conv2d_div_leaky_relu(x, w, b, algorithm="fused")
+        out = ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, algorithm="fused")
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()
-    testing.assert_bits_equal(out, ct.conv2d_div_leaky_relu(x, w, b, algorithm="fused"))
+    testing.assert_bits_equal(out, ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, algorithm="fused"))
     assert not torch.equal(out, eager)
 
 
@@ -1358,10 +1331,10 @@ def test_interleaved_timing_rotates_the_order(monkeypatch):
 @gpu
 def test_auto_picks_a_candidate_and_caches_it():
     x, w, b = _xwb((4, 8, 32, 32), (16, 8, 3, 3), "cuda")
-    y = ct.conv2d_div_leaky_relu(x, w, b, algorithm="auto")
+    y = ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, algorithm="auto")
     picked = [v for k, v in conv.auto_choices().items() if k[2] == tuple(x.shape)]
     assert len(picked) == 1 and picked[0] in conv.candidates(torch.float32, False)
-    testing.assert_bits_equal(y, ct.conv2d_div_leaky_relu(x, w, b, algorithm=picked[0]))
+    testing.assert_bits_equal(y, ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, algorithm=picked[0]))
 
 
 @gpu
@@ -1370,7 +1343,7 @@ def test_auto_looks_its_choice_up_per_kind_of_call(monkeypatch):
     (conv._checked's) and times nothing again; cuDNN's TF32 switch and x's
     layout, which that kind does not hold, each make a choice of their own."""
     x, w, b = _xwb((2, 8, 21, 19), (16, 8, 3, 3), "cuda")  # (a shape of its own)
-    ct.conv2d_div_leaky_relu(x, w, b, algorithm="auto")
+    ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, algorithm="auto")
     timed = []
 
     def timing(fns):
@@ -1378,13 +1351,13 @@ def test_auto_looks_its_choice_up_per_kind_of_call(monkeypatch):
         return {name: 1.0 for name in fns}
 
     monkeypatch.setattr(testing, "interleaved_median_ms", timing)
-    ct.conv2d_div_leaky_relu(x, w, b, algorithm="auto")
+    ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, algorithm="auto")
     c = conv._checked(x, w, b, 1.0, 0.01, 1, 0, 1, "auto")
     assert timed == [] and len(c.choices) == 1
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", not torch.backends.cudnn.allow_tf32)
-    ct.conv2d_div_leaky_relu(x, w, b, algorithm="auto")
+    ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, algorithm="auto")
     assert len(timed) == 1 and len(c.choices) == 2
-    ct.conv2d_div_leaky_relu(_layout(x, True), w, b, algorithm="auto")
+    ct.conv2d_div_leaky_relu(_layout(x, True), w, b, DIVISOR, algorithm="auto")
     assert len(timed) == 2 and len(c.choices) == 3
 
 
@@ -1406,7 +1379,7 @@ def test_auto_times_forward_and_backward_when_training():
     x, w, b = _xwb((4, 8, 30, 30), (16, 8, 3, 3), "cuda")
     w.requires_grad_(True), b.requires_grad_(True)
     state = torch.cuda.get_rng_state()
-    y = ct.conv2d_div_leaky_relu(x, w, b, algorithm="auto")
+    y = ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, algorithm="auto")
     assert torch.equal(torch.cuda.get_rng_state(), state)
     assert w.grad is None and b.grad is None
     entries = {k[-1]: v for k, v in conv.auto_choices().items() if k[2] == tuple(x.shape)}
@@ -1417,16 +1390,16 @@ def test_auto_times_forward_and_backward_when_training():
     gy = torch.randn_like(y)
     y.backward(gy)
     w2, b2 = w.detach().clone().requires_grad_(True), b.detach().clone().requires_grad_(True)
-    y2 = ct.conv2d_div_leaky_relu(x, w2, b2, algorithm=picked)
+    y2 = ct.conv2d_div_leaky_relu(x, w2, b2, DIVISOR, algorithm=picked)
     y2.backward(gy)
     testing.assert_bits_equal(y, y2)
     testing.assert_bits_equal(w.grad, w2.grad)
     testing.assert_bits_equal(b.grad, b2.grad)
     with torch.no_grad():
-        ct.conv2d_div_leaky_relu(x, w, b, algorithm="auto")
+        ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, algorithm="auto")
     # x needing a gradient too is a choice of its own (the input gradient's
     # kernels join the backward)
-    ct.conv2d_div_leaky_relu(x.requires_grad_(), w, b, algorithm="auto")
+    ct.conv2d_div_leaky_relu(x.requires_grad_(), w, b, DIVISOR, algorithm="auto")
     entries = {k[-1] for k in conv.auto_choices() if k[2] == tuple(x.shape)}
     assert entries == {None, (False, True, True), (True, True, True)}, entries
 
@@ -1445,7 +1418,7 @@ def test_fused_falls_back_where_it_does_not_apply():
 @gpu
 def test_empty_batch():
     x, w, b = _xwb((0, 3, 9, 11), (5, 3, 3, 3), "cuda")
-    y = ct.conv2d_div_leaky_relu(x, w, b, algorithm="fused")
+    y = ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, algorithm="fused")
     assert y.shape == (0, 5, 7, 9)
 
 
@@ -1495,9 +1468,9 @@ def test_cupy_entry_matches_the_torch_path(cl, precision):
     testing.assert_bits_equal(torch.from_dlpack(y), y_t)
     assert torch.equal(torch.from_dlpack(mask), m_t)
     with pytest.raises(ValueError, match="precision='fp16'"):
-        cupy_act.conv2d_div_leaky_relu(cx, cupy.from_dlpack(w), precision="fp16")
+        cupy_act.conv2d_div_leaky_relu(cx, cupy.from_dlpack(w), None, DIVISOR, precision="fp16")
     with pytest.raises(TypeError, match="float64"):
-        cupy_act.conv2d_div_leaky_relu(cx.astype(cupy.float64), cupy.from_dlpack(w))
+        cupy_act.conv2d_div_leaky_relu(cx.astype(cupy.float64), cupy.from_dlpack(w), None, DIVISOR)
 
 
 @gpu
@@ -1524,43 +1497,3 @@ def test_conv_bench_script(tmp_path):
     assert sum("its pick against itself" in t[0] for t in out["targets"]) == 2
     text = (tmp_path / "c.md").read_text()
     assert "| 16to32 | fused |" in text and "| function backward |" in text
-
-
-def _script(name: str):
-    """scripts/<name>.py as a module (its main not run)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_clocks_under_load_reads_nvidia_smi_samples():
-    """scripts/clocks_under_load.py: medians of nvidia-smi's clock and power
-    samples, the share with the software power cap among the reasons (bit
-    0x4 of a hex mask), a line cut off at the end skipped."""
-    out = (
-        "1980, 400.5, 0x0000000000000000\n"
-        "1755, 699.0, 0x0000000000000004\n"
-        "1700, 700.2, 0x0000000000000005\n"
-        "1980, 150.0, 0x0000000000000001\n"
-        "17"
-    )
-    r = _script("clocks_under_load").summarize(out)
-    assert r["samples"] == 4 and r["capped"] == 0.5
-    assert r["clock"] == (1755 + 1980) / 2 and r["power"] == (400.5 + 699.0) / 2
-    assert r["power_max"] == 700.2
-    assert _script("clocks_under_load").summarize("")["samples"] == 0
-
-
-@gpu
-def test_clocks_under_load_script(tmp_path):
-    """scripts/clocks_under_load.py runs end to end (a short loop per workload)."""
-    from conftest import run_json
-
-    out = run_json("clocks_under_load.py", ["--seconds", "0.5"], tmp_path / "c.json")
-    assert list(out["rows"])[:2] == ["idle", "copy"]
-    assert all(r["ms"] > 0 for k, r in out["rows"].items() if k != "idle")

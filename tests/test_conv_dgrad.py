@@ -157,8 +157,8 @@ def test_dgrad_launch_picks_its_kernel_per_call(monkeypatch):
 
     launched = _record_launches(monkeypatch)
     kernels = _conv.DgradKernels(_conv.ConvKernel(1, 7, None), _conv.ConvKernel(2, 7, None))
-    monkeypatch.setattr(_conv, "dgrad_kernels", lambda *args: kernels)
-    monkeypatch.setattr(_conv, "_dgrad_launches", {})
+    monkeypatch.setattr(_conv.dgrad, "dgrad_kernels", lambda *args: kernels)
+    monkeypatch.setattr(_conv.dgrad, "_dgrad_launches", {})
     seed = _conv.geometry("f", (128, 8, 128, 128), (64, 8, 3, 3))
 
     def go(g, dy, dtype="float32"):
@@ -178,10 +178,15 @@ def test_dgrad_launch_picks_its_kernel_per_call(monkeypatch):
         assert f[:5] == (0, 48, 0, dy, 32)
         rows = seed.n * seed.h  # one column tile
         assert grid[1] == 1 and grid[0] * f[-2] >= rows and (grid[0] - 1) * f[-2] < rows
-        assert _conv._GRAD_ADDRESSES.unpack_from(_conv._scratch.buf, _conv._GRADS_AT)[0] == 64
+        assert (
+            _conv.kernels._GRAD_ADDRESSES.unpack_from(
+                _conv.kernels._scratch.buf, _conv.kernels._GRADS_AT
+            )[0]
+            == 64
+        )
     odd = _conv.geometry("f", (2, 3, 9, 11), (5, 3, 3, 3), 1, 0)  # ow 9
     assert go(odd, 256, "float16")[0][0] == 1
-    monkeypatch.setattr(_conv, "DGRAD_STAGED", False)
+    monkeypatch.setattr(_conv.dgrad, "DGRAD_STAGED", False)
     assert go(seed, 256, "float16")[0][0] == 1
     assert go(_conv.geometry("f", (0, 8, 12, 12), (64, 8, 3, 3)), 256) == []
 
@@ -305,7 +310,7 @@ def test_staged_and_plain_loads_give_the_same_bits(case, dtype, monkeypatch):
     x, w, mask, spd, gy, _, tf32 = _inputs(*shape, dtype, "fused", False, 300)
     got = {}
     for staged in (True, False):
-        monkeypatch.setattr(_conv, "DGRAD_STAGED", staged)
+        monkeypatch.setattr(_conv.dgrad, "DGRAD_STAGED", staged)
         got[staged] = _dgrad(gy, mask, w, x, spd, tf32)
     assert got[True].isfinite().all()
     testing.assert_bits_equal(got[True], got[False])
@@ -388,7 +393,7 @@ def test_fused_input_gradient_under_torch_compile_and_opcheck():
 def test_empty_batch_gives_an_empty_input_gradient():
     x, w, b = _xwb((0, 3, 9, 11), (5, 3, 3, 3), "cuda")
     x.requires_grad_()
-    ct.conv2d_div_leaky_relu(x, w, b, padding=1, algorithm="fused").sum().backward()
+    ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, padding=1, algorithm="fused").sum().backward()
     assert x.grad.shape == x.shape
 
 

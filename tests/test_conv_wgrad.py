@@ -11,9 +11,6 @@ both layouts and three dtypes; the same inputs give the same bits.
 """
 
 import ctypes
-import importlib.util
-import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -307,7 +304,7 @@ def test_tiled_map_encodes_what_the_kernel_copies(monkeypatch):
     g = _conv.geometry("f", (128, 8, 130, 130), (64, 8, 3, 3))
     for itemsize, code in ((4, 2), (2, 1)):
         calls.clear()
-        m = _conv._dy_map(g, itemsize)
+        m = _conv.wgrad._dy_map(g, itemsize)
         buf, at = m.at(0x7F0000001000)
         assert at % 64 == 0 and ctypes.addressof(buf) <= at <= ctypes.addressof(buf) + 64
         assert m.at(0x7F0000001000)[1] == at and len(calls) == 1  # the same address: reused
@@ -325,7 +322,7 @@ def test_tiled_map_encodes_what_the_kernel_copies(monkeypatch):
         _tensormap.TiledMap(4, (16, 64, 128), (64,), (32, 64, 1))
     monkeypatch.setattr(_tensormap, "_function", lambda: None)
     with pytest.raises(RuntimeError, match="no cuTensorMapEncodeTiled"):
-        _conv._dy_map(g, 4).at(0x7F0000001000)
+        _conv.wgrad._dy_map(g, 4).at(0x7F0000001000)
 
 
 @gpu
@@ -350,7 +347,7 @@ def test_tensor_copies_match_the_bulk_copies_bit_for_bit(case, dtype, algorithm,
     assert (plan.dy_map is not None) == (plan.tmap_smem > 0)
     args = (list(w.shape), True, DIVISOR, SLOPE, *spd, tf32)
     tensor = conv.fused_wgrad(x, gy, mask, *args)
-    monkeypatch.setattr(_conv, "_wgrad_plans", {})
+    monkeypatch.setattr(_conv.wgrad, "_wgrad_plans", {})
     monkeypatch.setattr(_conv._tensormap, "available", lambda: False)
     bulk = _conv.wgrad_plan(x.get_device(), name, precision, False, g)
     assert bulk.tmap_smem == 0 and bulk.bulk_smem == plan.bulk_smem and bulk.splits == plan.splits
@@ -416,7 +413,7 @@ def test_wgrad_launch_picks_its_kernel_per_call(monkeypatch):
     launched = _record_launches(monkeypatch)
     k = [_conv.ConvKernel(p, 7, None) for p in range(10, 17)]
     kernels = _conv.WgradKernels(k[0], k[1], k[2], k[3], (k[4], k[5], k[6]))
-    monkeypatch.setattr(_conv, "wgrad_kernels", lambda *args: kernels)
+    monkeypatch.setattr(_conv.wgrad, "wgrad_kernels", lambda *args: kernels)
     g = _conv.geometry("f", (128, 8, 128, 128), (64, 8, 3, 3))
 
     def go(g, dy, mask, gb, cl=False):
@@ -436,7 +433,7 @@ def test_wgrad_launch_picks_its_kernel_per_call(monkeypatch):
     assert [p for p, *_ in go(g, 264, 512, 0)[1]] == [14, 13]
     assert go(g, 264, 512, 0)[1][1][1] == (-(-64 * 72 // 32), 1)  # no bias row
     assert [p for p, *_ in go(g, 256, 520, 64)[1]] == [14, 13]
-    monkeypatch.setattr(_conv, "_wgrad_plans", {})
+    monkeypatch.setattr(_conv.wgrad, "_wgrad_plans", {})
     monkeypatch.setattr(_conv._tensormap, "available", lambda: False)
     assert [(p, d) for p, _, d in go(g, 256, 512, 64)[1]] == [(15, None), (13, None)]
     empty = _conv.geometry("f", (0, 8, 128, 128), (64, 8, 3, 3))
@@ -493,7 +490,7 @@ def test_warpgroup_kernel_accuracy_and_the_same_bits_every_way(case, dtype, algo
     moved.copy_(gy)
     for a, e in zip(conv.fused_wgrad(x, moved, mask, *args), (gw, gb)):
         testing.assert_bits_equal(a, e)
-    monkeypatch.setattr(_conv, "_wgrad_plans", {})
+    monkeypatch.setattr(_conv.wgrad, "_wgrad_plans", {})
     monkeypatch.setattr(_conv._tensormap, "available", lambda: False)
     assert _conv.wgrad_plan(x.get_device(), name, precision, False, g).dy_map is None
     for a, e in zip(conv.fused_wgrad(x, gy, mask, *args), (gw, gb)):
@@ -706,7 +703,7 @@ def test_empty_batch_gives_zero_gradients(fused_wgrad):
     x, w, b = _xwb((0, 3, 9, 11), (5, 3, 3, 3), "cuda")
     w.requires_grad_(), b.requires_grad_()
     w.grad = None
-    ct.conv2d_div_leaky_relu(x, w, b, algorithm="fused").sum().backward()
+    ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, algorithm="fused").sum().backward()
     assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
 
 
@@ -733,256 +730,3 @@ def test_seed_block_gradient_within_10x_eager_error():
     for ours, eager, ref in ((gw, ew, rw), (gb, eb, rb)):
         err = (ours.double() - ref).abs().max().item()
         assert err <= 10 * (eager.double() - ref).abs().max().item(), err
-
-
-def _probe_ptx(cuda: Path, monkeypatch) -> dict[str, str]:
-    """PTX (compute_90) of the float32 3xTF32 weight-gradient kernels, NCHW and
-    NHWC, compiled from the CUDA sources in ``cuda``."""
-    from cupy_backends.cuda.libs import nvrtc
-
-    from cupy_act import _source
-
-    monkeypatch.setattr(_source, "cuda_dir", lambda: cuda)
-    text = _source.assembled_source.__wrapped__(_conv.WGRAD_SOURCE)
-    out = {}
-    for layout, cl in (("nchw", "false"), ("nhwc", "true")):
-        name = f"cupy_act::conv2d_wgrad_kernel<float, 3, {cl}, 0>"
-        prog = nvrtc.createProgram(text, "probe.cu", (), ())
-        try:
-            nvrtc.addNameExpression(prog, name)
-            opts = ("--std=c++17", "-ftz=true", "--device-as-default-execution-space")
-            nvrtc.compileProgram(prog, (*opts, "-arch=compute_90"))
-            out[layout] = nvrtc.getPTX(prog).decode()
-        finally:
-            nvrtc.destroyProgram(prog)
-    return out
-
-
-def test_wgrad_probe_copies_compile_without_their_loads(tmp_path, monkeypatch):
-    """scripts/wgrad_probe.py's kernel copies: each edit finds its text in
-    cuda/conv2d_wgrad.cu exactly once (else the script stops), and each copy
-    compiles with fewer global loads than the kernel: "no dy" in both layouts,
-    "no dy, x" fewer still in NCHW (its patch copy is the one it edits)."""
-    path = ROOT / "scripts" / "wgrad_probe.py"
-    spec = importlib.util.spec_from_file_location("wgrad_probe", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    loads = {}
-    for i, (variant, edits) in enumerate(probe.VARIANTS.items()):
-        where = probe.make_copy(edits, tmp_path / str(i))
-        ptx = _probe_ptx(where / "cuda", monkeypatch)
-        loads[variant] = {k: v.count("ld.global") for k, v in ptx.items()}
-    kernel, no_dy, no_x = loads["kernel"], loads["no dy"], loads["no dy, x"]
-    assert no_dy["nchw"] < kernel["nchw"] and no_dy["nhwc"] < kernel["nhwc"], loads
-    assert no_x["nchw"] < no_dy["nchw"], loads
-
-
-def test_kernel_limits_reads_ncu_exports(tmp_path, monkeypatch):
-    """scripts/kernel_limits.py: from ncu's details and raw pages (faked here:
-    no ncu without a GPU) it takes the first value of each figure and the
-    largest stall reasons, the issuing cycle ("selected") left out."""
-    path = ROOT / "scripts" / "kernel_limits.py"
-    spec = importlib.util.spec_from_file_location("kernel_limits", path)
-    kl = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kl)
-    details = [
-        ["ID", "Section Name", "Metric Name", "Metric Unit", "Metric Value"],
-        ["0", "GPU Speed Of Light Throughput", "Duration", "us", "385.15"],
-        ["0", "GPU Speed Of Light Throughput", "DRAM Throughput", "%", "33.85"],
-        ["0", "Occupancy", "Registers Per Thread", "register/thread", "144"],
-        ["0", "Other", "Duration", "us", "1.0"],  # a later duplicate: ignored
-    ]
-    stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
-    names = ["ID", *(stall.format(r) for r in ("wait", "selected", "barrier", "long_scoreboard"))]
-    names += ["dram__bytes_write.sum", "sm__cycles_elapsed.avg.per_second"]
-    raw = [
-        names,
-        ["", "ratio", "ratio", "ratio", "ratio", "Mbyte", "Ghz"],
-        ["0", "1.55", "1.00", "0.60", "n/a", "509.29", "1.79"],
-    ]
-    calls = []
-    monkeypatch.setattr(kl.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
-    monkeypatch.setattr(kl, "ncu_csv", lambda report, page: details if page == "details" else raw)
-    got = kl.profile("float32:fused_tf32:forward", "nchw", 0, tmp_path)
-    assert got["duration"] == "385.15 us" and got["DRAM"] == "33.85 %"
-    assert got["registers"] == "144 register/thread"
-    assert got["stalls"] == "wait 1.55, barrier 0.60"
-    assert got["DRAM write"] == "509.29 Mbyte" and got["SM clock"] == "1.79 Ghz"
-    kl.profile("float32:fused_tf32:forward-nograd", "nchw", 0, tmp_path, boost=True, memory=True)
-    locked, boost = calls
-    assert boost[boost.index("--metrics") + 1].split(",") == list(kl.MEMORY)
-    assert "--metrics" not in locked and boost[-5:-1] == ["float32", "nchw", "fused_tf32",
-                                                          "forward-nograd"]  # fmt: skip
-    assert locked[:3] == ["ncu", "-k", "regex:conv2d_kernel"]
-    assert locked[-5:] == ["float32", "nchw", "fused_tf32", "forward", "0"]
-    clocks = locked.index("--clock-control")
-    assert locked[clocks + 1] == "base" and boost[clocks + 1] == "none"
-
-
-def test_kernel_lines_reads_the_source_page():
-    """scripts/kernel_lines.py: the source page's CUDA lines (its SASS rows
-    skipped) by their columns' names, each line counted in the device
-    function whose definition it falls in (a kernel's __launch_bounds__ is
-    not its name)."""
-    path = ROOT / "scripts" / "kernel_lines.py"
-    spec = importlib.util.spec_from_file_location("kernel_lines", path)
-    kl = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kl)
-    head = ["Line No", "Source", "Address", "Source", "Warp Stall Sampling (All Samples)",
-            "Warp Stall Sampling (Not-issued Samples)", "# Samples", "Instructions Executed",
-            "stall_wait", "stall_short_sb", "stall_wait (Not Issued)"]  # fmt: skip
-    page = "\n".join(
-        ",".join(f'"{c}"' for c in row)
-        for row in (
-            ["File Path", "/tmp/x.cu"],
-            ["Function Name", "k"],
-            head,
-            ["3", "x", "-", "-", "10", "9", "10", "1,000", "4", "6", "1"],
-            ["", "", "0x10", "FMUL R1, R2, R3", "3", "3", "3", "500", "1", "2", "0"],
-            ["7", "y", "-", "-", "30", "30", "30", "3,000", "25", "5", "9"],
-        )
-    )
-    rows = kl.source_rows(page)
-    assert rows == [
-        {"line": 3, "samples": 10, "instr": 1000, "reasons": {"wait": 4, "short_sb": 6}},
-        {"line": 7, "samples": 30, "instr": 3000, "reasons": {"wait": 25, "short_sb": 5}},
-    ]
-    source = [
-        "template <int N>",
-        "__device__ __forceinline__ float helper(float a) {",
-        "  return a;",
-        "}",
-        "__global__ void __launch_bounds__(128, 3)",
-        "    my_kernel(const int p) {",
-        "  helper(1.f);",
-    ]
-    starts, names = kl.functions(source)
-    assert (starts, names) == ([2, 5], ["helper", "my_kernel"])
-
-
-@gpu
-def test_wgrad_bench_script(tmp_path):
-    """scripts/wgrad_bench.py runs end to end (one small shape, two dtypes, both layouts)."""
-    from conftest import run_json
-
-    args = ["--shapes", "16to32", "--dtypes", "float32", "bfloat16", "--layouts", "nchw", "nhwc"]
-    out = run_json("wgrad_bench.py", [*args, "--iters", "2"], tmp_path / "w.json")
-    keys = [(r["dtype"], r["layout"], r["algorithm"]) for r in out["rows"]]
-    assert len(keys) == 6 and ("bfloat16", "nhwc", "fused") in keys
-    assert all(r["chunks"] == 2 and r["default_ms"] > 0 and r["kernel_ms"] > 0 for r in out["rows"])
-
-
-def test_forward_phases_stamps_compile(tmp_path, monkeypatch):
-    """scripts/forward_phases.py: each edit finds its text in cuda/conv2d.cu
-    exactly once (else the script stops), and the stamped forward compiles
-    for sm_90a with the counters it reads back and a clock read per phase."""
-    from cupy_backends.cuda.libs import nvrtc
-
-    from cupy_act import _source
-
-    path = ROOT / "scripts" / "forward_phases.py"
-    spec = importlib.util.spec_from_file_location("forward_phases", path)
-    fp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fp)
-    where = fp.make_copy(tmp_path)
-    monkeypatch.setattr(_source, "cuda_dir", lambda: where / "cuda")
-    text = _source.assembled_source.__wrapped__(_conv.SOURCE)
-    assert text.count(f"{fp._MARK}(") == len(fp.PHASES) + 1  # (and the macro's definition)
-    prog = nvrtc.createProgram(text, "phases.cu", (), ())
-    try:
-        # (the seed shape's kernel: the ring's rows by tensor copies)
-        nvrtc.addNameExpression(prog, "cupy_act::conv2d_kernel_tmap<float, 1>")
-        opts = ("--std=c++17", "-ftz=true", "--device-as-default-execution-space")
-        nvrtc.compileProgram(prog, (*opts, "-arch=compute_90a"))
-        ptx = nvrtc.getPTX(prog).decode()
-    finally:
-        nvrtc.destroyProgram(prog)
-    assert ".global .align 8 .b8 phase_cycles[" in ptx
-    assert ptx.count("%clock64") >= len(fp.PHASES) + 1
-
-
-def test_wgrad_probe_events_timing_reads_the_childs_median(monkeypatch):
-    """scripts/wgrad_probe.py --timing events: the child's median (ms) comes
-    back in microseconds; no median is a clear stop with the child's output."""
-    path = ROOT / "scripts" / "wgrad_probe.py"
-    spec = importlib.util.spec_from_file_location("wgrad_probe", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    runs = []
-
-    def fake(cmd, **kw):
-        runs.append(cmd)
-        return subprocess.CompletedProcess(cmd, 0, stdout=out, stderr="boom")
-
-    monkeypatch.setattr(probe.subprocess, "run", fake)
-    out = "median_ms=0.36125\n"
-    args = ["float32", "nchw", "fused", "forward", "0"]
-    assert probe.events_us(ROOT, args) == pytest.approx(361.25)
-    assert runs[0][-7:] == ["--child", *args, "events"]
-    out = "nothing\n"
-    with pytest.raises(SystemExit, match="boom"):
-        probe.events_us(ROOT, args)
-    # --no-grad: the children run the forward without a gradient
-    asked = []
-    monkeypatch.setattr(probe, "events_us", lambda where, cargs: asked.append(cargs) or 1.0)
-    argv = ["wgrad_probe.py", "--only-forward", "--no-grad", "--timing", "events",
-            "--variants", "kernel", "--repeats", "1", "--dtypes", "float32"]  # fmt: skip
-    monkeypatch.setattr(probe.sys, "argv", argv)
-    probe.main()
-    assert asked == [["float32", "nchw", "fused", "forward-nograd", "0"]]
-
-
-@pytest.mark.slow  # (NVRTC compiles of every copy: about 2 minutes on a 2-core machine)
-def test_forward_stores_copies_make_their_change(tmp_path, monkeypatch):
-    """scripts/forward_stores.py: every copy's edits find their text exactly
-    once (else the script stops), and each copy's seed-shape forward compiles
-    for sm_90a with the change it names in its PTX."""
-    from cupy_backends.cuda.libs import nvrtc
-
-    from cupy_act import _source
-
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # (it imports wgrad_probe)
-    path = ROOT / "scripts" / "forward_stores.py"
-    spec = importlib.util.spec_from_file_location("forward_stores", path)
-    fs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fs)
-    ptx = {}
-    for name, where in fs.copies(list(fs.VARIANTS), tmp_path).items():
-        monkeypatch.setattr(_source, "cuda_dir", lambda w=where: w / "cuda")
-        text = _source.assembled_source.__wrapped__(_conv.SOURCE)
-        prog = nvrtc.createProgram(text, "stores.cu", (), ())
-        try:
-            for passes in (1, 3):
-                nvrtc.addNameExpression(prog, f"cupy_act::conv2d_kernel_tmap<float, {passes}>")
-            opts = ("--std=c++17", "-ftz=true", "--device-as-default-execution-space")
-            nvrtc.compileProgram(prog, (*opts, "-arch=compute_90a"))
-            ptx[name] = nvrtc.getPTX(prog).decode()
-        finally:
-            nvrtc.destroyProgram(prog)
-    never = "107374182"  # 2^30 (+ 1): the runtime-false condition of the "no ..." copies
-    assert never not in ptx["kernel"]
-    assert all(never in ptx[v] for v in ("no y stores", "no ring copy", "no MMA"))
-    vec16 = {v: ptx[v].count("st.global.v4") for v in ptx}
-    assert vec16["8-byte stores"] < vec16["kernel"] and "st.global.cs.v4" in ptx["streaming stores"]
-    line = "cp.async.bulk.global.shared::cta.bulk_group"  # a bulk store out of shared memory
-    assert line in ptx["bulk flush"] and line not in ptx["kernel"]
-    bulk = ptx["bulk stores"]
-    assert line in bulk and "st.global" not in bulk
-    assert ptx["stores to L2"] != ptx["kernel"] != ptx["aligned, to L2"] != ptx["stores to L2"]
-    assert ptx["odd warps reversed"] != ptx["addresses per store"] != ptx["kernel"]
-    skips = [ptx[v] for v in ("no row-end lines", "no second line")]
-    assert skips[0] != skips[1] and ptx["kernel"] not in skips
-    same = [re.sub(r"stores_cu_\w+?_\d+", "", ptx[v]) for v in ("no seams", "kernel")]
-    assert same[0] == same[1]  # (the host's switch; NVRTC names its internals per compile)
-    launch = tmp_path / str(list(fs.VARIANTS).index("no seams")) / "cupy_act" / "_conv.py"
-    assert "FORWARD_SEAMS: bool | None = False\n" in launch.read_text()
-    launch = tmp_path / str(list(fs.VARIANTS).index("seams")) / "cupy_act" / "_conv.py"
-    assert "FORWARD_SEAMS: bool | None = True\n" in launch.read_text()
-    steps = {v: ptx[v].count("bar.sync 1, 128;") for v in ptx}
-    assert steps["not in step"] == 0 < steps["in step every 8"] < steps["in step every 4"]
-    assert steps["in step every 4"] < steps["in step every 2"] < steps["kernel"]
-    launch = tmp_path / str(list(fs.VARIANTS).index("one tile per block")) / "cupy_act" / "_conv.py"
-    assert "per_block = 1\n" in launch.read_text()
-    launch = tmp_path / str(list(fs.VARIANTS).index("bulk stores")) / "cupy_act" / "_conv.py"
-    launch = launch.read_text()
-    assert "+ 32768" in launch

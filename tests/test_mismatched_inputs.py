@@ -24,7 +24,7 @@ from torch import nn  # noqa: E402
 
 import cupy_act.torch as ct  # noqa: E402
 from cupy_act import _batchnorm, _conv, _launch  # noqa: E402
-from cupy_act.torch import _impl, conv  # noqa: E402
+from cupy_act.torch import _conv_checks, _impl, conv  # noqa: E402
 from cupy_act.torch import batchnorm as bnmod  # noqa: E402
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -51,7 +51,9 @@ def launched(monkeypatch, request):
 
     monkeypatch.setattr(_launch, "_launch_kernel", launch)
     monkeypatch.setattr(_launch, "_memset_async", memset)
-    monkeypatch.setattr(conv, "_checks", {})  # (kinds of call kept with this device's answers)
+    monkeypatch.setattr(
+        _conv_checks, "_checks", {}
+    )  # (kinds of call kept with this device's answers)
     if device == "cpu":
         _fake_kernels(monkeypatch)
     return calls
@@ -81,8 +83,8 @@ def _fake_kernels(monkeypatch):
     _record_launches(monkeypatch)
     monkeypatch.setattr(_launch, "run", run)
     fake = _conv.ConvKernel(11, 7, None)
-    monkeypatch.setattr(_conv, "kernel", lambda *a: _conv.ForwardKernels(fake, None))
-    monkeypatch.setattr(_conv, "_dgrad_launches", {})
+    monkeypatch.setattr(_conv.forward, "kernel", lambda *a: _conv.ForwardKernels(fake, None))
+    monkeypatch.setattr(_conv.dgrad, "_dgrad_launches", {})
 
 
 def _raised(f):
@@ -476,7 +478,7 @@ def test_launcher_mismatch_refused_conv(monkeypatch):
 
     made = _record_launches(monkeypatch)
     fake = _conv.ConvKernel(11, 7, None)
-    monkeypatch.setattr(_conv, "kernel", lambda *a: _conv.ForwardKernels(fake, None))
+    monkeypatch.setattr(_conv.forward, "kernel", lambda *a: _conv.ForwardKernels(fake, None))
     g = _conv.geometry("f", (2, 3, 9, 11), (5, 3, 3, 3))
     e = _conv.extents(g, "float32")
     with pytest.raises(_launch.SizeMismatch, match="forward launch refused.*y has"):

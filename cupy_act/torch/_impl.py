@@ -26,6 +26,7 @@ from .. import _registry
 from .._arrays import SUPPORTED, mask_nbytes
 from .._kernels import DTYPES
 from .._plan import plan
+from .._reference import bits, reference
 
 DTYPE_NAMES = {getattr(torch, name): name for name in DTYPES}  # torch.float32 -> "float32"
 _FNAMES = {op: f"cupy_act.torch.{op}" for op in _registry.OPS}  # for error messages
@@ -79,7 +80,7 @@ class _Launches(dict):
     """The adapter's own cache in front of _plan.plan: _launches[op, kind, dtype,
     device index, no_bias, slope, divisor] is the Launch, planned on a miss.
     Keyed by what a call has at hand (its scalars are always Python floats
-    here): 0.3 us less per launch on the GPU host (scripts/diagnose.py torch)
+    here): 0.3 us less per launch on the GPU host (2026-11-22, 760d700)
     than plan's key and name lookups."""
 
     def __missing__(self, key):
@@ -308,28 +309,6 @@ def per_sample_masks(mask: torch.Tensor, batch: int, n: int) -> torch.Tensor:
     return pack_rows(unpack_bits(mask, batch * n).view(batch, n))
 
 
-def pre(op, x, divisor, bias):
-    """What the activation sees: x, or (x [+ bias]) / divisor, as eager PyTorch
-    computes and stores it (each op rounded to x's dtype)."""
-    if not _registry.OPS[op].divisor:
-        return x
-    if bias is not None:
-        x = x + bias.view(1, -1, *([1] * (x.dim() - 2)))
-    return x / divisor
-
-
-def reference(op, x, slope, divisor, bias):
-    """(y, t): PyTorch's own forward of ``op`` (the registry's reference) and what
-    the activation saw."""
-    t = pre(op, x, divisor, bias)
-    return _registry.OPS[op].torch_forward(torch, t, slope, None), t
-
-
-def bits(op, t):
-    """The mask bits from what the activation saw (the registry's predicate)."""
-    return _registry.OPS[op].torch_bit(torch, t, None)
-
-
 def backward_from_bits(op, dy, bits, slope, divisor):
     """dx from dy and the bits (any device, any shape dy and bits share).
 
@@ -474,7 +453,7 @@ _U8: dict = {}  # CUDA device index -> an empty uint8 tensor there
 def _cuda_mask(x: torch.Tensor, dev: int, n: int) -> torch.Tensor:
     """new_mask for a CUDA tensor of n elements on device dev, in eager mode:
     new_empty() of a cached uint8 tensor takes no dtype argument, 0.7 us less
-    per call on the GPU host (scripts/diagnose.py torch)."""
+    per call on the GPU host (2026-11-22, 760d700)."""
     u8 = _U8.get(dev)
     if u8 is None:
         u8 = _U8[dev] = x.new_empty(0, dtype=torch.uint8)

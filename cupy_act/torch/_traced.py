@@ -15,7 +15,7 @@ packed 1-bit mask in traced operations instead, for an activation that ends a
 fusion region (after a convolution, whose cuDNN kernel Inductor cannot fuse
 into), where Inductor would otherwise save a one-byte boolean: y is read
 through the packed word, so Inductor writes both in one kernel. Measured on an
-H100 (docs/performance-notes.md, 2026-11-24): the seed-003 block alone 0.96x
+H100 (docs/torch-adapter.md, 2026-11-24): the seed-003 block alone 0.96x
 torch.compile's forward + backward with 1/8 of its activation state; but the
 block feeding pooling 1.25x (Inductor no longer fuses the epilogue into the
 pooling), and cspdarknet53 with a mask on every (in-place) activation 1.25x.
@@ -31,7 +31,7 @@ import math
 import torch
 from torch import Tensor
 
-from .. import _registry
+from .. import _reference, _registry
 from . import _impl
 
 
@@ -39,7 +39,7 @@ def pre(op: str, x: Tensor, divisor: float, bias, inplace: bool) -> Tensor:
     """What the activation sees, as PyTorch computes it: x, or (x [+ bias]) / divisor
     (in place: ``x.add_(bias).div_(divisor)``, as the reference writes it)."""
     if not inplace:
-        return _impl.pre(op, x, divisor, bias)
+        return _reference.pre(op, x, divisor, bias)
     if not _registry.OPS[op].divisor:
         return x
     if bias is not None:
@@ -199,7 +199,7 @@ class PackedMaskAct(torch.autograd.Function):
         # reduction over the same (words, bits) iteration space, which Inductor
         # emits in the reduction's kernel (as it does a normalization after its
         # statistics); computed apart, or on t's own shape, the two read t in
-        # two kernels (docs/performance-notes.md).
+        # two kernels (docs/torch-adapter.md).
         bits = _unpack_grid(mask, layout, test=True)
         return torch.where(bits, grid, spec.torch_forward(torch, grid, slope, None))
 
@@ -216,7 +216,7 @@ def packed_mask_act(x, bias, op, slope, divisor, word=8, layout="strided") -> Te
     mask (``PackedMaskAct``) where autograd needs one."""
     if not _impl.needs_grad(x, bias):
         return apply(op, x, slope, divisor, bias, False)
-    t = _impl.pre(op, x, divisor, bias)
+    t = _reference.pre(op, x, divisor, bias)
     undivided = _registry.OPS[op].undivided or op
     y = PackedMaskAct.apply(_grid(t, word, layout), undivided, slope, word, layout)
     return _from_memory_order(y.reshape(-1)[: t.numel()], t.shape, _impl.is_channels_last(t))

@@ -61,18 +61,20 @@ def _swap(old: nn.Module, relu: bool, leaky_relu: bool) -> nn.Module | None:
     return new
 
 
-def _refuse(module: nn.Module, where: str) -> None:
+def _refuse(module: nn.Module, where: str, fname: str = "replace_activations") -> None:
+    """TypeError for a module whose submodules ``fname`` must not swap: a
+    TorchScript or a torch.compile'd one."""
     if isinstance(module, torch.jit.ScriptModule):
         raise TypeError(
-            f"replace_activations: {where} is a TorchScript module ({type(module).__name__}); "
+            f"{fname}: {where} is a TorchScript module ({type(module).__name__}); "
             f"its code is compiled and its submodules cannot be swapped. Call "
-            f"replace_activations on the eager model before torch.jit.script or trace."
+            f"{fname} on the eager model before torch.jit.script or trace."
         )
     if type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod"):
         raise TypeError(
-            f"replace_activations: {where} is a torch.compile'd module; swapping its "
+            f"{fname}: {where} is a torch.compile'd module; swapping its "
             f"submodules after compiling would leave compiled graphs of the old ones. Call "
-            f"replace_activations(model) first, then torch.compile(model)."
+            f"{fname}(model) first, then torch.compile(model)."
         )
 
 

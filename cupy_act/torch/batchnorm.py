@@ -527,22 +527,33 @@ def fuse_batchnorm_act(model: nn.Module, memory: str = "default") -> tuple[nn.Mo
     (identity, LeakyReLU with a positive slope); and where ``weight`` has no
     zero now (a warning names those that do). The others get the default.
 
+    A warning names what it leaves: no ``nn.BatchNorm2d`` at all, BatchNorms
+    not followed by an activation it can see (pairs a model's ``forward``
+    makes, as torchvision's ResNets do: ``fuse_batchnorm_act_fx`` fuses
+    those), and, with ``memory="inplace"``, pairs kept in the default mode and
+    why. A TorchScript or ``torch.compile``'d model is refused (fuse first,
+    then compile).
+
     Returns:
         ``(model, count)``: the model (a new module when ``model`` itself is
-        timm's ``BatchNormAct2d``) and how many pairs were fused.
+        timm's ``BatchNormAct2d``) and how many pairs were fused::
+
+            model, count = fuse_batchnorm_act(model, memory="inplace")
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"fuse_batchnorm_act: model must be a torch.nn.Module, got {type(model).__name__}"
         )
     _memory_mode(memory, "identity", 0.0)  # (a bad value raises, naming it)
+    adopt._refuse(model, "the model", "fuse_batchnorm_act")
     if _is_timm_bn_act(model):
         act = _timm_act(model)
         return (_fused(model, *act, "default"), 1) if act is not None else (model, 0)
     count = 0
     synced: list[str] = []
-    zeroed: list[str] = []
+    kept: dict[str, list[str]] = {}
     for path, parent in list(model.named_modules()):
+        adopt._refuse(parent, f"submodule {path!r}" if path else "the model", "fuse_batchnorm_act")
         children = list(parent._modules.items())
         for i, (name, child) in enumerate(children):
             if isinstance(child, nn.SyncBatchNorm):
@@ -552,7 +563,7 @@ def fuse_batchnorm_act(model: nn.Module, memory: str = "default") -> tuple[nn.Mo
                 if act is not None:
                     fresh = name == "bn" and _is_conv_norm_act(parent)
                     label = f"{path}.{name}" if path else name
-                    mode = _mode_for(child, act, memory, fresh, zeroed, label)
+                    mode = _mode_for(child, act, memory, fresh, kept, label)
                     parent._modules[name] = _fused(child, *act, mode)
                     count += 1
             elif isinstance(parent, nn.Sequential) and type(child) is nn.BatchNorm2d:
@@ -562,11 +573,12 @@ def fuse_batchnorm_act(model: nn.Module, memory: str = "default") -> tuple[nn.Mo
                     if act is not None and act[0] != "identity":
                         fresh = i > 0 and isinstance(children[i - 1][1], nn.Conv2d)
                         label = f"{path}.{name}" if path else name
-                        mode = _mode_for(child, act, memory, fresh, zeroed, label)
+                        mode = _mode_for(child, act, memory, fresh, kept, label)
                         parent._modules[name] = _fused(child, *act, mode)
                         parent._modules[next_name] = nn.Identity()
                         count += 1
-    _warn_left("fuse_batchnorm_act", zeroed, synced)
+    unfused = [n for n, m in model.named_modules() if type(m) is nn.BatchNorm2d]
+    _warn_left("fuse_batchnorm_act", kept, synced, count, unfused)
     return model, count
 
 
@@ -574,21 +586,35 @@ def _names(names: list) -> str:
     return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
 
-def _warn_left(fname: str, zeroed: list, synced: list) -> None:
-    """The fusers' warnings: BatchNorms kept in the default mode for a zero in
-    their weight, and SyncBatchNorms left alone (named, to the fuser's caller)."""
-    if zeroed:
+def _warn_left(fname: str, kept: dict, synced: list, count: int, unfused: list) -> None:
+    """The fusers' warnings, each naming the modules (to the fuser's caller):
+    BatchNorms fused in the default mode where memory="inplace" was asked
+    (``kept``: reason -> names), SyncBatchNorms left alone, and the
+    ``nn.BatchNorm2d`` not fused (``unfused``), or none in the model at all."""
+    for reason, names in kept.items():
         warnings.warn(
-            f"{fname}: {len(zeroed)} BatchNorm(s) with a zero in their weight "
-            f"({_names(zeroed)}) keep memory='default': the in-place mode cannot recover "
-            f"xhat where weight is 0 (a zero-initialized last BatchNorm of a residual "
-            f"block, for example)",
+            f"{fname}: {len(names)} BatchNorm(s) ({_names(names)}) keep memory='default', as "
+            f"{reason}",
             stacklevel=3,
         )
     if synced:
         warnings.warn(
             f"{fname}: left {len(synced)} nn.SyncBatchNorm as they are ({_names(synced)}): "
             f"their statistics are reduced across processes, BatchNormAct2d's are local",
+            stacklevel=3,
+        )
+    if not count and not unfused and not synced:
+        warnings.warn(f"{fname}: fused nothing: the model has no nn.BatchNorm2d", stacklevel=3)
+    elif unfused:
+        hint = (
+            "fuse_batchnorm_act_fx(model) follows the calls a model's forward makes"
+            if fname == "fuse_batchnorm_act"
+            else "each must be called at one place and feed only a ReLU or LeakyReLU"
+        )
+        warnings.warn(
+            f"{fname}: fused {count} BatchNorm -> activation pair(s); {len(unfused)} "
+            f"nn.BatchNorm2d ({_names(unfused)}) are not followed by an activation it can see "
+            f"({hint})",
             stacklevel=3,
         )
 
@@ -602,19 +628,34 @@ def _timm_act(module: nn.Module) -> tuple[str, float] | None:
     return _act_of(module.act)
 
 
-def _mode_for(bn: nn.BatchNorm2d, act: tuple, memory: str, fresh: bool, zeroed: list,
+# Why a pair asked for memory="inplace" keeps the default (the fusers' warnings)
+_NOT_INVERTIBLE = (
+    "their activation does not determine its input (ReLU; LeakyReLU needs a slope > 0)"
+)
+_NOT_FRESH = "their input is not a convolution's output that only they read"
+_ZEROED = "they have a zero in their weight: the in-place mode cannot recover xhat there"
+
+
+def _mode_for(bn: nn.BatchNorm2d, act: tuple, memory: str, fresh: bool, kept: dict,
               label: str) -> str:  # fmt: skip
     """The fused module's memory mode: "inplace" only where asked for, the
     activation ``act`` ((name, slope)) is invertible, the input is a fresh
     convolution output and the weight has no zero (checked now, once: a later
-    exact zero is the in-place mode's documented condition; ``label`` joins
-    ``zeroed``)."""
-    if memory != "inplace" or not fresh or not _invertible(*act):
+    exact zero is the in-place mode's documented condition). Where it asked
+    and cannot, ``label`` joins ``kept[reason]``."""
+    if memory != "inplace":
         return "default"
-    if bn.weight is not None and bool((bn.weight == 0).any()):
-        zeroed.append(label)
-        return "default"
-    return memory
+    reason = None
+    if not _invertible(*act):
+        reason = _NOT_INVERTIBLE
+    elif not fresh:
+        reason = _NOT_FRESH
+    elif bn.weight is not None and bool((bn.weight == 0).any()):
+        reason = _ZEROED
+    if reason is None:
+        return memory
+    kept.setdefault(reason, []).append(label)
+    return "default"
 
 
 def _is_conv_norm_act(module: nn.Module) -> bool:

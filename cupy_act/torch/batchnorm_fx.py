@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as tf
 from torch import fx, nn
 
+from . import adopt
 from . import batchnorm as bn
 
 __all__ = ["fuse_batchnorm_act_fx"]
@@ -88,6 +89,7 @@ def fuse_batchnorm_act_fx(
             f"fuse_batchnorm_act_fx: model must be a torch.nn.Module, got {type(model).__name__}"
         )
     bn._memory_mode(memory, "identity", 0.0)  # (a bad value raises, naming it)
+    adopt._refuse(model, "the model", "fuse_batchnorm_act_fx")
     try:
         graph = (tracer or fx.Tracer()).trace(model)
     except Exception as e:  # (fx raises several types for untraceable code)
@@ -103,26 +105,28 @@ def fuse_batchnorm_act_fx(
         if node.op == "call_module":
             calls[node.target] = calls.get(node.target, 0) + 1
     count = 0
-    zeroed: list[str] = []
+    kept: dict[str, list[str]] = {}
     synced: list[str] = []
+    unfused: list[str] = []
     for node in list(gm.graph.nodes):
         module = modules.get(node.target) if node.op == "call_module" else None
         if isinstance(module, nn.SyncBatchNorm):
             synced.append(node.target)
-        if type(module) is not nn.BatchNorm2d or calls[node.target] != 1 or len(node.users) != 1:
+        if type(module) is not nn.BatchNorm2d:
             continue
-        user = next(iter(node.users))
-        act = _activation(user, node, modules)
-        if act is None:
+        user = next(iter(node.users)) if len(node.users) == 1 else None
+        act = _activation(user, node, modules) if user is not None else None
+        if calls[node.target] != 1 or act is None or user is None:
+            unfused.append(node.target)
             continue
         fresh = _fresh_conv_output(node, modules)
-        mode = bn._mode_for(module, act, memory, fresh, zeroed, node.target)
+        mode = bn._mode_for(module, act, memory, fresh, kept, node.target)
         parent, _, name = node.target.rpartition(".")
         setattr(gm.get_submodule(parent), name, bn._fused(module, *act, mode))
         user.replace_all_uses_with(node)
         gm.graph.erase_node(user)
         count += 1
-    bn._warn_left("fuse_batchnorm_act_fx", zeroed, synced)
+    bn._warn_left("fuse_batchnorm_act_fx", kept, synced, count, sorted(set(unfused)))
     gm.graph.lint()
     gm.recompile()
     return gm, count

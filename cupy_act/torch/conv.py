@@ -32,24 +32,28 @@ weight (``cuda/conv2d_dgrad.cu``: 3 x 3 filters, stride 1, see
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .. import _conv, testing
+from .. import _conv
 from .._arrays import mask_nbytes
 from .._scalars import check_divisor, check_real
-from . import _impl, _library, _traced
+from . import _conv_auto, _impl, _library, _traced
 from . import functional as F
 
-__all__ = ["conv2d_div_leaky_relu", "set_compiled_epilogue", "ALGORITHMS"]
+__all__ = [
+    "conv2d_div_leaky_relu",
+    "set_compiled_epilogue",
+    "ALGORITHMS",
+    "candidates",
+    "auto_choices",
+]
 
-ALGORITHMS = ("exact", "channels_last", "fused", "fused_tf32", "auto")
-FNAME = "cupy_act.torch.conv2d_div_leaky_relu"
-_FUSED_DTYPES = {getattr(torch, d) for d in _conv.DTYPES}
+from ._conv_auto import auto_choices, candidates
+from ._conv_checks import _FUSED_DTYPES, ALGORITHMS, FNAME, _check, _checked
 
 
 def fused_forward(
@@ -94,7 +98,7 @@ class _Kept(NamedTuple):
     """The eager forward's launch for one kind of call and layout (kept in its
     ``_Checked``): the prepared launch (None: an empty output) and the
     device. The scalars are not part of it: a zero slope's sign is not part
-    of the kind of call, and ``_conv._scalars`` keeps the others."""
+    of the kind of call, and ``_conv.kernels._scalars`` keeps the others."""
 
     run: _conv.ForwardLaunch | None
     dev: int
@@ -106,7 +110,7 @@ def _kept_forward(x: Tensor, weight: Tensor, bias, g, launches, divisor, slope, 
     kind of call's ``_Checked.launches``) per precision, layout and the
     forward's switches."""
     x, w, b, y, cl = _operands(x, weight, bias, g)
-    key = (tf32, cl, _conv.FORWARD_TMAP, _conv.FORWARD_SEAMS)
+    key = (tf32, cl, _conv.forward.FORWARD_TMAP, _conv.forward.FORWARD_SEAMS)
     k = launches.get(key)
     if k is None:
         dev = x.get_device()
@@ -121,7 +125,7 @@ def _kept_forward(x: Tensor, weight: Tensor, bias, g, launches, divisor, slope, 
         nbytes = mask_nbytes(y.numel())
         mask = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     if k.run is not None:
-        sl, sc = _conv._scalars(slope, divisor, FNAME)
+        sl, sc = _conv.kernels._scalars(slope, divisor, FNAME)
         k.run(
             _impl._raw_stream(k.dev),
             x.data_ptr(),
@@ -469,7 +473,7 @@ def _wgrad_fits(x: Tensor, w: Tensor, stride, padding, dilation, tf32: bool) -> 
         return False
     if FUSED_WGRAD is True:
         return True
-    sm = _conv._sm(x.device.index) if x.is_cuda else 0
+    sm = _conv.kernels._sm(x.device.index) if x.is_cuda else 0
     chunks = _conv.wgrad_chunks(g, n_passes)
     return _wgrad_default(chunks, n_passes, x.dtype == torch.float32, _impl.is_channels_last(x), sm)
 
@@ -496,7 +500,7 @@ def _wgrad_default(chunks: int, n_passes: int, float32: bool, channels_last: boo
 # (measured on float32; 16-bit types take the same one-pass kernel).
 # H100, seed shape, backward alone: 0.60-0.63x (float32 NCHW), 0.68-0.82x
 # (float32 NHWC), 0.73-0.78x (16-bit NCHW); 16-bit NHWC 1.45-1.48x and
-# several chunks 0.9-1.7x (scripts/wgrad_bench.py, docs/performance-notes.md).
+# several chunks 0.9-1.7x (docs/conv-gradients.md).
 # H200, backward GPU time against the mask backward + cuDNN's weight gradient
 # (scripts/conv_bench.py): 2 chunks (16to32) 0.71x "fused", 0.54x
 # "fused_tf32"; 3 chunks (stem) 0.70x / 0.45x; 4 chunks (5x5) 1.09x / 0.69x;
@@ -522,141 +526,19 @@ def _dgrad_fits(x: Tensor, w: Tensor, stride, padding, dilation, tf32: bool) -> 
 # the mask backward + cuDNN's data gradient, that is where one group of 8
 # input channels holds them all (each group reads dy again). H100, input
 # gradient alone: seed shape (8 channels) 0.31-0.56x float32, 0.57-0.92x
-# 16-bit; 16 channels 0.96-1.29x, 64 channels 2.0-3.2x (scripts/wgrad_bench.py
-# --grad x, docs/performance-notes.md). True: wherever it fits. False: never.
+# 16-bit; 16 channels 0.96-1.29x, 64 channels 2.0-3.2x (2026-11-24, c59ae9b;
+# docs/conv-gradients.md). True: wherever it fits. False: never.
 FUSED_DGRAD: bool | None = None
 
 
 fused_op.register_autograd(_backward, setup_context=_setup)
 
 
-def _padding(padding, weight: Tensor, dilation, stride):
-    """Padding as a pair of ints, or None where the fused kernel cannot express it
-    (asymmetric "same"). Strings as ``F.conv2d`` takes them."""
-    if not isinstance(padding, str):
-        return _conv.pair(padding, "padding", FNAME, 0)
-    if padding == "valid":
-        return (0, 0)
-    if padding != "same":
-        raise ValueError(f"{FNAME}: padding={padding!r}; expected 'valid', 'same' or ints")
-    s, d = _conv.pair(stride, "stride", FNAME, 1), _conv.pair(dilation, "dilation", FNAME, 1)
-    if s != (1, 1):
-        raise ValueError(f"{FNAME}: padding='same' needs stride 1, got stride={stride!r}")
-    total = [d[i] * (weight.shape[2 + i] - 1) for i in range(2)]
-    if total[0] % 2 or total[1] % 2:
-        return None
-    return (total[0] // 2, total[1] // 2)
-
-
-def _check(x, weight, bias, divisor, slope, algorithm) -> None:
-    """The call's arguments, each tensor against the others: where
-    ``F.conv2d`` refuses the same tensors, its exception class (RuntimeError)
-    with the same facts; TypeError / ValueError naming the value elsewhere."""
-    for name, t in (("input", x), ("weight", weight)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{FNAME}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if x.dtype not in _impl.DTYPE_NAMES:
-        supported = ", ".join(_impl.DTYPE_NAMES.values())
-        raise TypeError(f"{FNAME}: input has dtype {x.dtype}; supported: {supported}")
-    if bias is not None and not isinstance(bias, Tensor):
-        raise TypeError(f"{FNAME}: bias must be a torch.Tensor, got {type(bias).__name__}")
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and (t.dtype != x.dtype or t.device != x.device):
-            raise RuntimeError(
-                f"{FNAME}: input type ({x.dtype} on {x.device}) and {name} type ({t.dtype} on "
-                f"{t.device}) should be the same"
-            )
-    if x.dim() != 4:
-        raise RuntimeError(
-            f"{FNAME}: expected 3D (unbatched) or 4D (batched) input, but got input of size: "
-            f"{list(x.shape)}"
-        )
-    if weight.dim() != 4 or weight.shape[1] != x.shape[1]:
-        raise RuntimeError(
-            f"{FNAME}: given groups=1, weight of size {list(weight.shape)}, expected "
-            f"input{list(x.shape)} to have {weight.shape[1] if weight.dim() > 1 else '?'} "
-            f"channels, but got {x.shape[1]} channels instead"
-        )
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
-        raise RuntimeError(
-            f"{FNAME}: given weight of size {list(weight.shape)}, expected bias to be "
-            f"1-dimensional with {weight.shape[0]} elements, but got bias of size "
-            f"{list(bias.shape)} instead"
-        )
-    check_divisor(divisor, FNAME)
-    check_real(slope, "negative_slope", FNAME)
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"{FNAME}: algorithm={algorithm!r}; expected one of {ALGORITHMS}")
-
-
-class _Checked(NamedTuple):
-    """What the checks of a call settled (``_checked``)."""
-
-    pad: tuple[int, int] | None  # the padding as a pair (None: not expressible, see _padding)
-    fusable: tuple[bool, ...]  # whether the fused kernel runs it: FP32 (three passes), TF32
-    spd: tuple  # stride, padding and dilation as pairs, where it does
-    g: object  # the geometry (_conv.Geometry), where it does
-    launches: dict  # the eager forward's, as they are first made (_kept_forward)
-    choices: dict  # "auto"'s, as _choose finds them
-
-
-_checks: dict[tuple, _Checked] = {}
-
-
-def _checked(x, weight, bias, divisor, slope, stride, padding, dilation, algorithm) -> _Checked:
-    """``_check`` and the padding, and where the fused kernel may run the
-    geometry and whether it fits, kept per kind of call: the key holds what
-    they read (the tensors' shapes, dtypes and devices, the hyper-parameters
-    as exact ints or strings, the scalars with their types). Only calls that
-    passed are kept; never while torch.compile traces (it would guard on the
-    table)."""
-    key = None
-    if not torch.compiler.is_compiling():
-        try:
-            key = (
-                x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device,
-                None if bias is None else (bias.shape, bias.dtype, bias.device),
-                # (an int as it is: a call less each, the common case)
-                stride if type(stride) is int else _exact(stride),
-                padding if type(padding) is int else _exact(padding),
-                dilation if type(dilation) is int else _exact(dilation),
-                divisor, type(divisor), slope, type(slope), algorithm,
-            )  # fmt: skip
-            c = _checks.get(key)
-        except (AttributeError, TypeError):  # not tensors, unhashable values: checked below
-            key = c = None
-        if c is not None:
-            return c
-    _check(x, weight, bias, divisor, slope, algorithm)
-    pad = _padding(padding, weight, dilation, stride)
-    fusable: tuple[bool, ...] = (False, False)
-    spd: tuple = ()
-    g = None
-    if pad is not None and _impl.on_gpu(x) and x.dtype in _FUSED_DTYPES:
-        g = _conv.geometry(FNAME, x.shape, weight.shape, stride, pad, dilation)
-        name = _impl.DTYPE_NAMES[x.dtype]
-        fusable = tuple(_conv.fits(g, _conv.passes(name, p)) for p in ("fp32", "tf32"))
-        spd = (g.stride, g.padding, g.dilation)
-    c = _Checked(pad, fusable, spd, g, {}, {})
-    if key is not None and None not in key[7:10]:
-        if len(_checks) >= 256:
-            _checks.clear()
-        _checks[key] = c
-    return c
-
-
-def _exact(value):
-    """A hyper-parameter as part of ``_checked``'s key: a string, or what
-    ``_conv._plain`` keeps (ints of type int exactly: True must not pass for
-    1), else None (the call is not kept)."""
-    return value if type(value) is str else _conv._plain(value)
-
-
 def conv2d_div_leaky_relu(
     input: Tensor,
     weight: Tensor,
     bias: Tensor | None = None,
-    divisor: float = 1.0,
+    divisor: float | None = None,
     negative_slope: float = 0.01,
     stride=1,
     padding=0,
@@ -671,6 +553,8 @@ def conv2d_div_leaky_relu(
         input: (N, Cin, H, W), or (Cin, H, W) unbatched; weight: (Cout, Cin, kH, kW);
             bias: (Cout,) or None, all of one dtype and device (groups = 1, zero
             padding).
+        divisor: required (a finite, non-zero number), as ``div_leaky_relu``
+            takes it.
         stride, padding, dilation: as ``F.conv2d`` takes them.
         algorithm: "exact" (bit-identical to eager, the default), "channels_last",
             "fused", "fused_tf32" or "auto".
@@ -681,6 +565,10 @@ def conv2d_div_leaky_relu(
     Autograd saves a 1-bit mask instead of the convolution's output (and for
     the fused algorithms never materialises that output at all).
     """
+    if divisor is None:
+        raise TypeError(
+            f"{FNAME}() missing required argument 'divisor' (a finite, non-zero number)"
+        )
     if isinstance(input, Tensor) and input.dim() == 3:  # unbatched, as F.conv2d takes it
         return conv2d_div_leaky_relu(
             input.unsqueeze(0), weight, bias, divisor, negative_slope, stride, padding, dilation,
@@ -699,9 +587,9 @@ def conv2d_div_leaky_relu(
                 weight.requires_grad,
                 bias is not None and bias.requires_grad,
             )
-        algorithm = _choose(
-            input, weight, bias, divisor, negative_slope, stride, c, dilation, padding,
-            allow_tf32, grads,
+        algorithm = _conv_auto.choose(
+            conv2d_div_leaky_relu, input, weight, bias, divisor, negative_slope, stride, c,
+            dilation, padding, allow_tf32, grads,
         )  # fmt: skip
     tf32 = algorithm == "fused_tf32"
     if algorithm.startswith("fused") and c.fusable[1 if tf32 else 0]:
@@ -785,112 +673,3 @@ def _unfused(x, weight, bias, divisor, slope, stride, padding, dilation, channel
 
 
 # ---- "auto": time the candidates once per shape ----
-
-_choices: dict[tuple, str] = {}
-
-
-def candidates(dtype: torch.dtype, allow_tf32: bool) -> tuple[str, ...]:
-    """The algorithms "auto" may pick: FP32-accurate ones, plus TF32 ones when allowed.
-
-    For 16-bit inputs every algorithm multiplies exactly and accumulates in
-    float32, so all are candidates ("fused_tf32" is "fused" there).
-    """
-    if dtype != torch.float32:
-        return ("exact", "channels_last", "fused")
-    tf32_cudnn = torch.backends.cudnn.allow_tf32
-    out = ["exact", "fused"]
-    if allow_tf32 or not tf32_cudnn:
-        out.append("channels_last")
-    if allow_tf32:
-        out.append("fused_tf32")
-    return tuple(out)
-
-
-def _choose(
-    x, weight, bias, divisor, slope, stride, checked, dilation, padding, allow_tf32, grads
-) -> str:
-    """The cached or newly measured fastest candidate for this call's shape:
-    forward alone (``grads`` None), or forward and backward for the inputs
-    that need a gradient (``grads``: which of x, weight, bias; each set is a
-    choice of its own, since the backward's kernels differ: a first layer,
-    whose x needs none, skips the input gradient). ``checked``: the call's
-    ``_checked``, which says where the fused kernel runs."""
-    if not x.is_cuda:
-        return "exact"
-    # What the choice depends on beyond the call's kind (``checked``'s key:
-    # shapes, dtype, device, hyper-parameters), looked up there first: a
-    # per-call cost of its own on every call of "auto".
-    cl, cudnn_tf32 = _impl.is_channels_last(x), _cudnn_allow_tf32()
-    choice = checked.choices.get((cl, allow_tf32, cudnn_tf32, grads))
-    if choice is not None:
-        return choice
-    key = (
-        x.device,
-        x.dtype,
-        tuple(x.shape),
-        cl,
-        tuple(weight.shape),
-        bias is not None,
-        str(stride),
-        str(padding),
-        str(dilation),
-        allow_tf32,
-        cudnn_tf32,
-        grads,
-    )
-    choice = _choices.get(key)
-    if choice is None:
-        fusable = dict(zip(("fused", "fused_tf32"), checked.fusable))
-        # No timing while compiling or capturing a graph: the fused kernel, if it applies.
-        if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
-            return "fused" if fusable["fused"] else "exact"
-        names = [a for a in candidates(x.dtype, allow_tf32) if fusable.get(a, True)]
-        if grads is not None:
-            times = testing.interleaved_median_ms(
-                {a: _training_step(x, weight, bias, divisor, slope, stride, padding, dilation, a)
-                 for a in names}
-            )  # fmt: skip
-        else:
-            args = (x, weight, bias, divisor, slope, stride, padding, dilation)
-            runs = {a: functools.partial(conv2d_div_leaky_relu, *args, algorithm=a) for a in names}
-            with torch.no_grad():
-                times = testing.interleaved_median_ms(runs)
-        choice = _choices[key] = min(times, key=times.__getitem__)
-    checked.choices[(cl, allow_tf32, cudnn_tf32, grads)] = choice
-    return choice
-
-
-try:  # cudnn.allow_tf32 without its property's Python layers (1 us of each call)
-    _cudnn_allow_tf32 = torch._C._get_cudnn_allow_tf32
-except AttributeError:  # pragma: no cover - the public property
-
-    def _cudnn_allow_tf32() -> bool:
-        return torch.backends.cudnn.allow_tf32
-
-
-def _training_step(x, weight, bias, divisor, slope, stride, padding, dilation, algorithm):
-    """A forward and backward of ``algorithm`` on detached views of the
-    inputs (the caller's .grad untouched), for the inputs that need a
-    gradient, from a random upstream gradient in the output's layout (drawn
-    from a generator of its own: the caller's random state is untouched)."""
-    xl, wl = (t.detach().requires_grad_(t.requires_grad) for t in (x, weight))
-    bl = None if bias is None else bias.detach().requires_grad_(bias.requires_grad)
-    wrt = [t for t in (xl, wl, bl) if t is not None and t.requires_grad]
-    run = functools.partial(
-        conv2d_div_leaky_relu, xl, wl, bl, divisor, slope, stride, padding, dilation,
-        algorithm=algorithm,
-    )  # fmt: skip
-    with torch.no_grad():
-        y = run()
-        gy = torch.empty_like(y).normal_(generator=torch.Generator(y.device).manual_seed(0))
-
-    def step():
-        with torch.enable_grad():
-            torch.autograd.grad(run(), wrt, gy)
-
-    return step
-
-
-def auto_choices() -> dict[tuple, str]:
-    """What "auto" picked so far, by shape key (a copy; for logs and benchmarks)."""
-    return dict(_choices)

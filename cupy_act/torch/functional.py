@@ -72,6 +72,18 @@ def set_compile_route(route: str) -> str:
     return previous
 
 
+def _flag(value, name: str, fname: str) -> bool:
+    """A switch given as something else: a tensor or an array (an argument in
+    the wrong place, such as a bias in ``inplace``'s) is refused by name;
+    other values count by their truth, as PyTorch's functions take them."""
+    if isinstance(value, Tensor) or hasattr(value, "__cuda_array_interface__"):
+        raise TypeError(
+            f"{fname}: {name} must be a bool, got a {type(value).__name__} (a bias goes in as "
+            f"bias=...)"
+        )
+    return bool(value)
+
+
 def _slope(value, fname: str) -> float:
     """negative_slope as a Python float, or TypeError/ValueError naming it."""
     check_real(value, "negative_slope", fname)
@@ -131,6 +143,8 @@ def _apply(fname, op, x, slope, divisor, bias, inplace):
     # _impl.check_tensors, which names what is wrong.
     if not (bias is None and isinstance(x, Tensor) and x.dtype in _impl.DTYPE_NAMES):
         bias = _impl.check_tensors(fname, x, bias)
+    if inplace is not False and inplace is not True:
+        inplace = _flag(inplace, "inplace", fname)
     if _is_compiling():
         return _compiled(op, x, slope, divisor, bias, inplace)
     if _functorch_active() or _fwd_levels._current_level >= 0:  # transforms, forward AD
@@ -196,6 +210,7 @@ def div_leaky_relu(
     divisor: float,
     negative_slope: float = 0.01,
     inplace: bool = False,
+    *,
     bias: Tensor | None = None,
 ) -> Tensor:
     """``F.leaky_relu((input + bias) / divisor, negative_slope)`` in one fused pass.

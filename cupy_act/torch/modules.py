@@ -98,6 +98,12 @@ class ConvDivLeakyReLU(nn.Module):
             raise ValueError(
                 f"ConvDivLeakyReLU: algorithm={algorithm!r}; expected one of {conv.ALGORITHMS}"
             )
+        if channels_last and algorithm not in ("exact", "channels_last"):
+            raise ValueError(
+                f"ConvDivLeakyReLU: channels_last=True is the older spelling of "
+                f"algorithm='channels_last' and cannot be combined with algorithm={algorithm!r} "
+                f"(the fused algorithms keep the input's own layout: pass a channels-last input)"
+            )
         self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, **conv_kwargs)
         self.divisor = divisor
         self.negative_slope = negative_slope
