@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 
-import measure  # scripts/measure.py
 import torch
 from torch import nn
 
@@ -36,6 +35,8 @@ def main() -> None:
     ap.add_argument("--channels-last", action="store_true")
     ap.add_argument("--rounds", type=int, default=20)
     args = ap.parse_args()
+    import measure  # (scripts/measure.py, beside this script)
+
     measure.require_gpu("bn_bench.py")
     dtype = getattr(torch, args.dtype)
     fmt = torch.channels_last if args.channels_last else torch.contiguous_format

@@ -23,15 +23,12 @@ import subprocess
 import sys
 import tempfile
 
-import measure  # scripts/measure.py
-
 # LIB is cupy_act.torch, or torch.nn.functional for the baseline: the same
 # calls with PyTorch's own ops, whose first autograd backward of a process has
 # a cost of its own (the engine's device threads)
 CHILD = r"""
 import time, torch
 import {lib} as ct
-import measure  # scripts/measure.py
 x = torch.randn(1 << 20, device="cuda")
 torch.cuda.synchronize()
 t0 = time.perf_counter()
@@ -57,6 +54,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
+    import measure  # (scripts/measure.py, beside this script)
+
     measure.require_gpu("cold_start.py")
     res: dict[str, list[float]] = {}
     for _ in range(args.runs):

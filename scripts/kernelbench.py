@@ -30,7 +30,6 @@ import argparse
 import json
 import statistics
 
-import measure  # scripts/measure.py
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -182,6 +181,8 @@ def main() -> None:
     ap.add_argument("--perf-trials", type=int, default=100)
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
+    import measure  # (scripts/measure.py, beside this script)
+
     measure.require_gpu("kernelbench.py")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(

@@ -38,7 +38,6 @@ import argparse
 import ctypes
 import time
 
-import measure  # scripts/measure.py
 import numpy
 import torch
 import torch.nn.functional as F
@@ -74,6 +73,8 @@ def main() -> None:
     ap.add_argument("--shape", nargs=4, type=int, default=[8, 64, 16, 16], help="for --bn")
     ap.add_argument("--conv", action="store_true", help="the fused convolution block's rows only")
     args = ap.parse_args()
+    import measure  # (scripts/measure.py, beside this script)
+
     measure.require_gpu("overhead.py")
     if args.bn:
         bn_rows(args.shape, args.calls, args.repeats)

@@ -20,7 +20,6 @@ import copy
 import itertools
 
 import cupy
-import measure  # scripts/measure.py
 import torch
 
 import cupy_act
@@ -40,6 +39,8 @@ def main() -> None:
     ap.add_argument("--op", default="leaky_relu", choices=list(OPS))
     ap.add_argument("--dtypes", nargs="+", default=[str(d)[6:] for d in DTYPES])
     args = ap.parse_args()
+    import measure  # (scripts/measure.py, beside this script)
+
     measure.require_gpu("tune.py")
     unroll = OPS[args.op].unroll  # kind -> item size -> vectors, edited in place below
     defaults = (_loader.THREADS, copy.deepcopy(unroll))

@@ -68,6 +68,7 @@ def test_wheel_installs_and_compiles(tmp_path):
         os.environ,
         LD_LIBRARY_PATH=os.pathsep.join([*libdirs, os.environ.get("LD_LIBRARY_PATH", "")]),
     )
+    env.pop("PYTHONPATH", None)  # (a checkout on it would shadow the wheel)
     out = subprocess.run(
         [str(py), "-c", check], capture_output=True, text=True, cwd=tmp_path, env=env
     )
