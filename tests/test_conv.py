@@ -22,7 +22,7 @@ import torch.nn.functional as F  # noqa: E402
 from ptx import SOURCES, compiled  # noqa: E402
 
 import cupy_act.torch as ct  # noqa: E402
-from cupy_act import _conv, _source, mask_nbytes, testing  # noqa: E402
+from cupy_act import _conv, _source, _timing, mask_nbytes, testing  # noqa: E402
 from cupy_act.torch import _conv_checks, _impl, conv  # noqa: E402
 
 gpu = pytest.mark.gpu
@@ -1350,9 +1350,9 @@ def test_auto_looks_its_choice_up_per_kind_of_call(monkeypatch):
         timed.append(list(fns))
         return {name: 1.0 for name in fns}
 
-    monkeypatch.setattr(testing, "interleaved_median_ms", timing)
+    monkeypatch.setattr(_timing, "interleaved_median_ms", timing)
     ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, algorithm="auto")
-    c = conv._checked(x, w, b, 1.0, 0.01, 1, 0, 1, "auto")
+    c = conv._checked(x, w, b, DIVISOR, 0.01, 1, 0, 1, "auto")
     assert timed == [] and len(c.choices) == 1
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", not torch.backends.cudnn.allow_tf32)
     ct.conv2d_div_leaky_relu(x, w, b, DIVISOR, algorithm="auto")
@@ -1494,6 +1494,6 @@ def test_conv_bench_script(tmp_path):
     (auto,) = [r for r in out["rows"] if r["impl"] == "auto"]
     for key in ("forward", "fwd_bwd"):  # auto's pick timed again: the comparison's control
         assert auto[f"{key}_pick"] in ("exact", "fused") and auto[f"{key}_il_again_ms"] > 0
-    assert sum("its pick against itself" in t[0] for t in out["targets"]) == 2
+    assert sum("its pick against itself" in t["what"] for t in out["targets"]) == 2
     text = (tmp_path / "c.md").read_text()
     assert "| 16to32 | fused |" in text and "| function backward |" in text

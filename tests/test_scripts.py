@@ -1,0 +1,100 @@
+"""scripts/ without a GPU: every script answers --help, the benchmarks' target
+arithmetic and tables (scripts/bench.py, scripts/measure.py) on rows made up
+here, and the profiler's sorting of kernel names. The scripts' runs on a GPU
+are tested beside their subjects (test_conv, test_adopt, test_kernelbench)."""
+
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import bench  # noqa: E402
+import measure  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "script", sorted(p.name for p in SCRIPTS.glob("*.py") if p.name != "measure.py")
+)
+def test_every_script_answers_help(script, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(SCRIPTS / script), run_name="__main__")
+    assert e.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_target_reads_its_goal():
+    t = measure.target("speed", 1.2, ">= 1.2x")
+    assert t.met and t.bound == 1.2 and t.floor_note() == ""
+    assert not measure.target("time", 0.31, "<= 0.3").met
+    assert measure.target("pct", 98.5, ">= 98%").met
+    assert not measure.target("ratio", 1.0, "> 1x").met
+    assert measure.target("nothing measured", None, ">= 1x") is None
+    below = measure.target("backward ms", 0.50, "<= 0.45", floor=0.48)
+    assert below.floor_note() == "floor 0.480, goal below the floor"
+
+
+def _rows(ours_ms: float) -> list:
+    """bench.py's rows at the reference shape: eager and compile 1 ms, ours
+    ``ours_ms``, the copy 1 ms, 4-byte elements."""
+    b = bench.Bench(None)
+    n, s, ref = 4096 * 393216, 4, "4096x393216"
+    for dtype in ("float32", "bfloat16", "float16"):
+        d = getattr(bench.torch, dtype)
+        copy = b.add(d, ref, n, s, "-", "copy", "copy", 1.0)
+        for op in bench.OPS:
+            div = " div" if op == "div_leaky_relu" else ""
+            for case in ("forward", "backward", "fwd+bwd"):
+                b.add(d, ref, n, s, op, case, "eager" + div, 1.0, saved=4.0)
+                b.add(d, ref, n, s, op, case, "cupy_act", ours_ms, saved=0.125)
+            b.add(d, ref, n, s, op, "forward", "compile", 1.0)
+            b.add(d, ref, n, s, op, "forward+mask", "cupy_act", ours_ms)
+    for r in b.rows:
+        r["pct_copy"] = 100 * (r["bytes"] / r["ms"]) / (2 * n * s / copy["ms"])
+        r["x_copy_time"] = r["ms"] / copy["ms"]
+    return b.rows
+
+
+def test_bench_targets_met_and_missed():
+    """Ours at half eager's time meets the speed goals; at eager's time it
+    misses them; the table says which."""
+    fast = {t.what: t for t in bench.targets(_rows(0.5), [])}
+    slow = {t.what: t for t in bench.targets(_rows(1.0), [])}
+    speed = "leaky_relu forward float32: speed vs eager"
+    assert fast[speed].value == 2.0 and fast[speed].met
+    assert slow[speed].value == 1.0 and slow[speed].met  # (>= 0.99x)
+    f16 = "relu forward float16: speed vs eager"
+    assert fast[f16].met and not slow[f16].met  # (>= 1.08x)
+    back = "relu backward float32: speed vs eager backward"
+    assert fast[back].met and not slow[back].met
+    saved = "relu saved memory float32: eager / ours"
+    assert fast[saved].value == 32.0 and fast[saved].met
+    mask = "relu forward+mask float32: time / copy time"
+    assert fast[mask].met and slow[mask].value == 1.0 and slow[mask].met
+    table = bench.markdown(measure.environment(), _rows(1.0), [], list(slow.values()))
+    assert f"| {back} | 1.000 | >= 1.43x | **missed** |" in table
+    assert f"| {speed} | 1.000 | >= 0.99x | met |" in table
+
+
+@pytest.mark.parametrize(
+    "name, kind",
+    [
+        ("void cupy_act::bn_reduce<float, false, 4, 1, 2>(cupy_act::BnParams)", "BN bwd"),
+        ("void cupy_act::bn_reduce<float, false, 1, 0, 0>(cupy_act::BnParams)", "BN fwd"),
+        ("cudnn::bn_fw_tr_1C11_kernel_NCHW", "BN fwd"),
+        ("triton_red_fused_native_batch_norm_backward_3", "BN bwd"),
+        ("sm90_xmma_fprop_implicit_gemm_tf32", "convolution"),
+        ("void cupy_act::conv2d_wgrad_kernel_wg<float, 3, 0>", "convolution"),
+        ("void cupy_act::act_kernel<cupy_act::Relu<float>, 0, false, 1>", "activation"),
+        ("triton_poi_fused_leaky_relu_7", "activation"),
+        ("void at::native::vectorized_elementwise_kernel<4, add>", "other"),
+    ],
+)
+def test_profile_sorts_kernels_by_kind(name, kind):
+    assert measure.kind(name) == kind
