@@ -12,6 +12,11 @@
 //                      (or bn_finalize<kGrad>)       then grad_bias = sum dz, grad_weight =
 //                                                    sum dz * xhat, coef
 //                      bn_backward<T, CL, V, A, Out> dx = (dz - mean(dz) - xhat * mean(dz xhat)) * invstd * w
+//   running statistics: bn_update_running            from a training forward's moments (the
+//                                                    compiled route's separate, mutating op)
+//
+// With a residual r (apex's bn_add_relu): y = act(bn(x) + r), the mask taken on
+// bn(x) + r, and the backward also writes dr = dz.
 //
 // NCHW finishes each channel in the reduction's last block to arrive (a
 // counter per channel in p.arrivals, zero before the launch and set back to
@@ -65,6 +70,10 @@ struct BnParams {
   long long* num_batches; // or null: num_batches_tracked, incremented once by a training
                           // forward (here rather than a separate launch on the host)
   u32* arrivals;          // [C] (NCHW reductions): zero at launch, and again at exit
+  const void* residual;   // or null: added before the activation, y = act(bn(x) + residual)
+  void* grad_residual;    // or null: the backward writes dz (the residual's gradient) here
+  double* moments;        // [C][2] or null: a training forward's batch mean and biased
+                          // variance, for bn_update_running
   long long n;            // elements
   long long inner;        // H x W
   long long channels;
@@ -142,10 +151,11 @@ __device__ __forceinline__ u32 bn_bits(const BnParams& p, long long i) {
 
 // The reduction's value pair for one element: x and x^2 (kStats), or dz and
 // dz * xhat, with xhat = (v - ctr) * scl (kGrad: v = x, ctr = mean, scl =
-// invstd; kGradFromOutput: v = act^-1(y), ctr = b, scl = 1 / w).
+// invstd; kGradFromOutput: v = act^-1(y) - r, r the residual or 0, ctr = b,
+// scl = 1 / w).
 template <int P, int A>
-__device__ __forceinline__ void bn_term(float v, float dy, bool bit, float ctr, float scl,
-                                        float slope, double& a, double& b) {
+__device__ __forceinline__ void bn_term(float v, float dy, bool bit, float r, float ctr,
+                                        float scl, float slope, double& a, double& b) {
   if (P == kStats) {
     a += v;
     b += (double)v * v;
@@ -153,7 +163,7 @@ __device__ __forceinline__ void bn_term(float v, float dy, bool bit, float ctr, 
   }
   if (P == kGradFromOutput) {
     bit = A == kIdentity || v > 0.f;
-    v = bn_unact<A>(v, slope);
+    v = bn_unact<A>(v, slope) - r;
   }
   const float dz = bn_act_grad<A>(dy, bit, slope);
   a += dz;
@@ -178,15 +188,16 @@ template <typename T, int V, int P, int A, int K>
 __device__ __forceinline__ void bn_accumulate(const BnParams& p, long long i,
                                               const float (&ctr)[K], const float (&scl)[K],
                                               double (&a)[K], double (&b)[K]) {
-  float v[V], d[V] = {};
+  float v[V], d[V] = {}, r[V] = {};
   bn_load<T, V>(p.x, i, v);
   u32 bits = ~0u;
   if (P != kStats) bn_load<T, V>(p.dy, i, d);
   if (P == kGrad) bits = bn_bits<A>(p, i);
+  if (P == kGradFromOutput && p.residual != nullptr) bn_load<T, V>(p.residual, i, r);
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     const int k = K == 1 ? 0 : j;
-    bn_term<P, A>(v[j], d[j], (bits >> j) & 1u, ctr[k], scl[k], p.slope, a[k], b[k]);
+    bn_term<P, A>(v[j], d[j], (bits >> j) & 1u, r[j], ctr[k], scl[k], p.slope, a[k], b[k]);
   }
 }
 
@@ -235,7 +246,25 @@ __device__ __forceinline__ void bn_set_stats(const BnParams& p, long long c, dou
   const float invstd = (float)(1.0 / sqrt(var + p.eps));
   p.mean[c] = (float)mean;
   p.invstd[c] = invstd;
+  // (an odd channel count leaves 8 bytes before the moments: zeroed, so that
+  // every byte of the statistics is the call's)
+  if (c == 0 && (p.channels & 1) && p.moments != nullptr) {
+    p.invstd[p.channels] = 0.f;
+    p.invstd[p.channels + 1] = 0.f;
+  }
   p.coef[c] = make_float4((float)mean, invstd * bn_weight(p, c), bn_bias(p, c), 0.f);
+}
+
+// Channel c's running statistics from the batch's mean and biased variance
+// (PyTorch's rules: momentum average, unbiased variance; callers refuse a
+// single value per channel). One function for bn_finish_stats and
+// bn_update_running, so that both round alike.
+__device__ __forceinline__ void bn_running(const BnParams& p, long long c, double mean,
+                                           double var) {
+  const double count = (double)(p.n / p.channels);
+  const double m = p.momentum;
+  p.running_mean[c] = (float)((1.0 - m) * p.running_mean[c] + m * mean);
+  p.running_var[c] = (float)((1.0 - m) * p.running_var[c] + m * var * count / (count - 1.0));
 }
 
 // One thread: channel c's statistics from its sums, and the running statistics' update.
@@ -246,11 +275,10 @@ __device__ __forceinline__ void bn_finish_stats(const BnParams& p, long long c, 
   const double mean = sum / count;
   double var = sumsq / count - mean * mean;  // biased: what normalizes
   if (var < 0.0) var = 0.0;
-  if (p.running_mean != nullptr) {
-    const double m = p.momentum;
-    p.running_mean[c] = (float)((1.0 - m) * p.running_mean[c] + m * mean);
-    // unbiased, as PyTorch keeps it (callers refuse a single value per channel)
-    p.running_var[c] = (float)((1.0 - m) * p.running_var[c] + m * var * count / (count - 1.0));
+  if (p.running_mean != nullptr) bn_running(p, c, mean, var);
+  if (p.moments != nullptr) {
+    p.moments[2 * c] = mean;
+    p.moments[2 * c + 1] = var;
   }
   bn_set_stats(p, c, mean, var);
 }
@@ -398,7 +426,19 @@ __global__ void __launch_bounds__(kBnThreads) bn_finalize(const BnParams p) {
 // Eval: a thread per channel, from the running statistics.
 __global__ void __launch_bounds__(kBnThreads) bn_finalize_eval(const BnParams p) {
   const long long c = (long long)blockIdx.x * kBnThreads + threadIdx.x;
-  if (c < p.channels) bn_set_stats(p, c, p.running_mean[c], p.running_var[c]);
+  if (c >= p.channels) return;
+  bn_set_stats(p, c, p.running_mean[c], p.running_var[c]);
+  if (p.moments != nullptr) {  // (the statistics used, for the compiled op's output)
+    p.moments[2 * c] = p.running_mean[c];
+    p.moments[2 * c + 1] = p.running_var[c];
+  }
+}
+
+// The running statistics from a training forward's p.moments, a thread per
+// channel (torch.compile: the forward is a functional op, this the mutating one).
+__global__ void __launch_bounds__(kBnThreads) bn_update_running(const BnParams p) {
+  const long long c = (long long)blockIdx.x * kBnThreads + threadIdx.x;
+  if (c < p.channels) bn_running(p, c, p.moments[2 * c], p.moments[2 * c + 1]);
 }
 
 // Each warp takes 32 consecutive vectors per trip; the G = 32 / V lanes that
@@ -417,13 +457,14 @@ __global__ void __launch_bounds__(kBnThreads) bn_forward(const BnParams p) {
     if (k < vectors) {
       const long long i = k * V;
       const long long c = bn_channel<CL>(i, p);
-      float v[V];
+      float v[V], r[V] = {};
       bn_load<T, V>(p.x, i, v);
+      if (p.residual != nullptr) bn_load<T, V>(p.residual, i, r);
       float4 q = p.coef[c];
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         if (CL && j > 0) q = p.coef[c + j];
-        const float t = (v[j] - q.x) * q.y + q.z;
+        const float t = (v[j] - q.x) * q.y + q.z + r[j];
         bits |= (u32)bn_bit<A>(t) << j;
         v[j] = bn_act<A>(t, p.slope);
       }
@@ -451,9 +492,10 @@ __global__ void __launch_bounds__(kBnThreads) bn_backward(const BnParams p) {
   for (long long k = (long long)blockIdx.x * kBnThreads + threadIdx.x; k < vectors; k += stride) {
     const long long i = k * V;
     const long long c = bn_channel<CL>(i, p);
-    float v[V], d[V];
+    float v[V], d[V], r[V] = {};
     bn_load<T, V>(p.x, i, v);
     bn_load<T, V>(p.dy, i, d);
+    if (Out && p.residual != nullptr) bn_load<T, V>(p.residual, i, r);
     const u32 bits = Out ? 0u : bn_bits<A>(p, i);
     float4 q = p.coef[c];
 #pragma unroll
@@ -463,13 +505,15 @@ __global__ void __launch_bounds__(kBnThreads) bn_backward(const BnParams p) {
       float z = v[j];
       if (Out) {
         bit = A == kIdentity || z > 0.f;
-        z = bn_unact<A>(z, p.slope);
+        z = bn_unact<A>(z, p.slope) - r[j];
       }
       const float dz = bn_act_grad<A>(d[j], bit, p.slope);
+      d[j] = dz;
       // (eval: dz * k alone, so an inf input does not make 0 * inf = NaN)
       v[j] = eval ? dz * q.y : dz * q.y - (z - q.x) * q.z - q.w;
     }
     bn_store<T, V>(p.y, i, v);
+    if (p.grad_residual != nullptr) bn_store<T, V>(p.grad_residual, i, d);
   }
 }
 

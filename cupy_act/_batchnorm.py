@@ -26,9 +26,9 @@ VECTOR = {"float32": 4, "float16": 8, "bfloat16": 8}
 # Activations whose input the output determines (the in-place mode's backward).
 INVERTIBLE = ("identity", "leaky_relu")
 
-# BnParams: 16 pointers, 4 long longs, 4 doubles, a float and an int.
-_PARAMS = struct.Struct("<16Q4q4dfi")
-assert _PARAMS.size == 200
+# BnParams: 19 pointers, 4 long longs, 4 doubles, a float and an int.
+_PARAMS = struct.Struct("<19Q4q4dfi")
+assert _PARAMS.size == 224
 _scratch = _launch._Scratch(_PARAMS.size)
 
 
@@ -46,7 +46,7 @@ def _names(dtype: str) -> list[str]:
                     names.append(f"cupy_act::bn_reduce<{t}, {cl}, {v}, {GRAD_FROM_OUTPUT}, {a}>")
                     names.append(f"cupy_act::bn_backward<{t}, {cl}, {v}, {a}, true>")
     return names + [f"cupy_act::bn_finalize<{STATS}>", f"cupy_act::bn_finalize<{GRAD}>",
-                    "cupy_act::bn_finalize_eval"]  # fmt: skip
+                    "cupy_act::bn_finalize_eval", "cupy_act::bn_update_running"]  # fmt: skip
 
 
 def all_kernel_names() -> tuple[str, ...]:
@@ -97,6 +97,9 @@ class Buffers(NamedTuple):
     coef: int
     num_batches: int  # num_batches_tracked, incremented by the forward
     arrivals: int  # (NCHW reductions) channels x u32, zero at launch: see arrivals()
+    residual: int  # y = act(bn(x) + residual); the in-place backward reads it back
+    grad_residual: int  # the backward's dz, the residual's gradient
+    moments: int  # channels x (mean, biased variance) doubles of a training forward
 
 
 def _sm_count(device: int) -> int:
@@ -167,14 +170,19 @@ def plan(s: Shape, pointers: int) -> Plan:
 
 class Pass(NamedTuple):
     """One pass over one shape, prepared once (kept per shape, alignment and
-    pass): a call adds its pointers and scalars."""
+    pass): a call adds its pointers and scalars.
+
+    A forward's statistics (``stats`` doubles, kept for its backward): mean
+    and invstd (2 x channels floats, to a 16-byte boundary), then the
+    moments (channels x 2 doubles, at byte ``moments``). A pass's work area
+    (``work`` doubles, dead after it): partial sums (channels x splits x 2),
+    then coef (a float4 per channel, at byte ``coef`` of the work area)."""
 
     shape: Shape
     plan: Plan
-    doubles: int  # the call's buffer, in doubles: 2 x channels floats (the
-    # forward's mean and invstd; unused by the backward), then the work area:
-    # partial sums (channels x splits x 2) and coef (a float4 per channel)
-    work: int  # byte offsets in that buffer of b.partial and b.coef
+    stats: int
+    moments: int
+    work: int
     coef: int
     launches: tuple  # ((ptr, ctx, grid), ...) in order
     counts: tuple  # (n, inner, channels, splits), then (1 / inner, 1 / channels)
@@ -191,6 +199,7 @@ PASSES: dict[str, dict[bool, tuple[str, ...]]] = {
         False: ("reduce2", "backward_from_output"),
         True: ("reduce2", "finalize1", "backward_from_output"),
     },
+    "running": {False: ("update_running",), True: ("update_running",)},
 }
 _passes: dict[tuple, Pass] = {}  # (Shape, aligned, pass) -> Pass
 
@@ -205,33 +214,39 @@ def prepare(s: Shape, pointers: int, which: str) -> Pass:
         return found
     p = plan(s, pointers)
     head = (s.channels + 1) & ~1  # 2 x channels floats, to a 16-byte boundary
-    work = 8 * head
     launches = tuple(_launch_of(s, p, k) for k in PASSES[which][s.channels_last])
-    doubles = head + s.channels * (2 * p.splits + 2)
     counts = (s.n, s.inner, s.channels, p.splits)
     inverses = (1.0 / s.inner, 1.0 / s.channels)
-    coef = work + 16 * s.channels * p.splits
-    need = _need(s, p, which)
-    found = Pass(s, p, doubles, work, coef, launches, counts, inverses, need)
+    stats, work = stats_doubles(s.channels), s.channels * (2 * p.splits + 2)
+    found = Pass(s, p, stats, 8 * head, work, 16 * s.channels * p.splits, launches, counts,
+                 inverses, _need(s, p, which))  # fmt: skip
     if len(_passes) > 4096:  # (shapes that keep changing: start over)
         _passes.clear()
     _passes[(s, aligned, which)] = found
     return found
 
 
+def stats_doubles(channels: int) -> int:
+    """Doubles of a forward's statistics (``Pass``): mean and invstd, then the moments."""
+    return ((channels + 1) & ~1) + 2 * channels
+
+
 def _need(s: Shape, p: Plan, which: str) -> Buffers:
     """Bytes the pass's kernels may read or write from each Buffers address
     (0: not indexed): x, y (and dy in a backward) hold n elements, the mask
     one bit per element in 32-bit words, every per-channel array C floats,
-    the partial sums C x splits pairs of doubles, coef a float4 per channel."""
+    the partial sums C x splits pairs of doubles, coef a float4 per channel,
+    the moments two doubles per channel."""
     data = s.n * ITEMSIZE[s.dtype]
     c4 = 4 * s.channels
     backward = which.startswith("backward")
     return Buffers(
         x=data, dy=data if backward else 0, y=data, mask=4 * (-(-s.n // 32)), weight=c4,
-        bias=c4, mean=c4, invstd=c4, partial=0 if which == "eval" else 16 * s.channels * p.splits,
+        bias=c4, mean=c4, invstd=c4 + 8 * (s.channels & 1),  # (and the pad before the moments)
+        partial=0 if which == "eval" else 16 * s.channels * p.splits,
         running_mean=c4, running_var=c4, grad_weight=c4, grad_bias=c4, coef=16 * s.channels,
-        num_batches=8, arrivals=c4,
+        num_batches=8, arrivals=c4, residual=data, grad_residual=data,
+        moments=16 * s.channels,
     )  # fmt: skip
 
 
@@ -248,12 +263,12 @@ def _refuse(ps: Pass, b: Buffers, have: tuple) -> None:
 
 def _launch_of(s: Shape, p: Plan, kernel: str) -> tuple:
     """(ptr, ctx, grid) of one kernel of a pass: "finalize<P>" (a block per
-    channel), "finalize_eval" (a thread per channel), "reduce<P>" (splits x
+    channel), "finalize_eval" / "update_running" (a thread per channel), "reduce<P>" (splits x
     channel tiles) or the elementwise "forward" / "backward" /
     "backward_from_output" (grid-stride)."""
     t, cl, a = CTYPES[s.dtype], "true" if s.channels_last else "false", ACTS[s.act]
-    if kernel == "finalize_eval":
-        name, grid = "cupy_act::bn_finalize_eval", (-(-s.channels // THREADS), 1)
+    if kernel in ("finalize_eval", "update_running"):
+        name, grid = f"cupy_act::bn_{kernel}", (-(-s.channels // THREADS), 1)
     elif kernel.startswith("finalize"):
         name, grid = f"cupy_act::bn_finalize<{kernel[-1]}>", (s.channels, 1)
     elif kernel.startswith("reduce"):
@@ -284,10 +299,13 @@ def run(ps: Pass, stream: int, b: Buffers, have: tuple, momentum: float, eps: fl
     (``SizeMismatch``: integer compares, the entry points check first).
     Forward: y (and the mask, where b.mask) from the batch
     statistics, updating the running statistics where b.running_mean ("eval":
-    from the running statistics); b.mean, b.invstd, b.coef receive those used;
-    b.y may be b.x (in place). Backward: weight and bias gradients (where
-    given), then dx into b.y; FROM_OUTPUT: b.x holds the forward's output (the
-    in-place mode); EVAL: the forward normalized with the running statistics."""
+    from the running statistics); b.mean, b.invstd, b.coef (and b.moments,
+    where given) receive those used; b.residual, where given, is added before
+    the activation; b.y may be b.x (in place). Backward: weight and bias
+    gradients (where given), then dx into b.y (and dz into b.grad_residual,
+    where given); FROM_OUTPUT: b.x holds the forward's output (the in-place
+    mode; b.residual the forward's); EVAL: the forward normalized with the
+    running statistics. "running": the running statistics from b.moments."""
     for ptr, got, need in zip(b, have, ps.need):
         if ptr and got < need:
             _refuse(ps, b, have)

@@ -1,14 +1,19 @@
 """BatchNorm + LeakyReLU, training forward and forward + backward, at a CNN layer's shape.
 
     PYTHONPATH=. python scripts/bn_bench.py [--shape 32 32 256 256] [--dtype float32]
-        [--channels-last] [--rounds 20]
+        [--channels-last] [--rounds 20] [--neighbour]
 
 Candidates, timed interleaved with CUDA events (median): PyTorch eager
 (``nn.BatchNorm2d`` then ``nn.LeakyReLU(0.01, inplace=True)``, timm's
 BatchNormAct2d), ``cupy_act.torch.BatchNormAct2d`` with the fused kernels, the
 same module in the in-place mode (``memory="inplace"``: y over x, the
 backward from y), the module without the kernels (``batchnorm.FUSED =
-False``), and torch.compile of PyTorch's pair (Inductor's fused kernels).
+False``), torch.compile of PyTorch's pair (Inductor's fused kernels), and
+torch.compile of the module in both memory modes (the ``cupy_act::batchnorm_act``
+ops: ``set_compiled_batchnorm``'s "everywhere"). ``--neighbour`` feeds every
+candidate ``x * 1.5 + 0.5`` instead of x, computed inside the compiled
+functions, where Inductor fuses it into its BatchNorm and cannot into ours:
+the case the "after_conv" policy leaves traced.
 Forwards run with autograd recording (the weight needs a gradient), as in
 training. The floor is the fused kernels' traffic over the copy bandwidth
 measured in the same run: forward reads x twice (statistics, then
@@ -28,12 +33,20 @@ import cupy_act.torch as ct
 from cupy_act import testing
 
 
+class Neighbour(nn.Module):
+    """An elementwise op that Inductor fuses into a following BatchNorm."""
+
+    def forward(self, x):
+        return x * 1.5 + 0.5
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", nargs=4, type=int, default=[32, 32, 256, 256])
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--channels-last", action="store_true")
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--neighbour", action="store_true", help="an elementwise op before each")
     args = ap.parse_args()
     import measure  # (scripts/measure.py, beside this script)
 
@@ -49,7 +62,15 @@ def main() -> None:
     ours = ct.BatchNormAct2d(c, act_layer="leaky_relu").cuda()
     inplace = ct.BatchNormAct2d(c, act_layer="leaky_relu", memory="inplace").cuda()
     x_inplace = x.clone()  # (overwritten by each call with its own normalized values)
-    compiled = torch.compile(nn.Sequential(nn.BatchNorm2d(c), nn.LeakyReLU(0.01)).cuda())
+    pre = Neighbour() if args.neighbour else nn.Identity()
+    compiled = torch.compile(nn.Sequential(pre, nn.BatchNorm2d(c), nn.LeakyReLU(0.01)).cuda())
+    ct.set_compiled_batchnorm("everywhere")
+    ours_compiled = torch.compile(nn.Sequential(
+        pre, ct.BatchNormAct2d(c, act_layer="leaky_relu")).cuda())  # fmt: skip
+    inplace_compiled = torch.compile(nn.Sequential(
+        pre, ct.BatchNormAct2d(c, act_layer="leaky_relu", memory="inplace")).cuda())  # fmt: skip
+    if args.neighbour:  # (the eager candidates take the same input)
+        theirs, ours, inplace = (nn.Sequential(pre, m) for m in (theirs, ours, inplace))
 
     def unfused(xx):
         ct.batchnorm.FUSED = False
@@ -61,6 +82,8 @@ def main() -> None:
     models = {"pytorch": theirs, "ours fused": ours, "ours in place": inplace}
     models["ours unfused"] = unfused
     models["torch.compile"] = compiled
+    models["ours compiled"] = ours_compiled
+    models["ours compiled in place"] = inplace_compiled
 
     def fwd(m):
         if m is inplace:  # (detached: each call's graph ends at its own input)

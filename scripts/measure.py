@@ -136,8 +136,9 @@ def kind(kernel: str) -> str:
 
 
 def profile(step, steps: int = 3) -> dict:
-    """Device ms per step of ``step()`` by KINDS (and "total"), from ``steps``
-    profiled calls after one unprofiled one."""
+    """Device ms per step of ``step()`` by KINDS (and "total", and "top
+    other": the largest other kernels, (name, ms)), from ``steps`` profiled
+    calls after one unprofiled one."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -148,12 +149,18 @@ def profile(step, steps: int = 3) -> dict:
             step()
         torch.cuda.synchronize()
     out = dict.fromkeys(KINDS, 0.0)
+    other = {}
     for e in prof.key_averages():
         us = getattr(e, "self_device_time_total", None)
         us = e.self_cuda_time_total if us is None else us
         if us > 0:
-            out[kind(e.key)] += us / 1e3 / steps
+            k = kind(e.key)
+            out[k] += us / 1e3 / steps
+            if k == "other":
+                other[e.key] = us / 1e3 / steps
     out["total"] = sum(out[k] for k in KINDS)
+    # (the largest "other" kernels: where a step's time goes beyond the named kinds)
+    out["top other"] = sorted(other.items(), key=lambda kv: -kv[1])[:8]
     return out
 
 

@@ -362,7 +362,8 @@ class BareBatchNormAct(torch.autograd.Function):
     hold garbage, and ``num_batches_tracked`` is not counted."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, count, factor, eps, mode):
+    def forward(ctx, x, weight, bias, residual, running_mean, running_var, count, factor, eps,
+                mode):  # fmt: skip
         c = x.shape[1]
         y = x if mode.inplace else torch.empty_like(x)
         mask = None
@@ -381,7 +382,7 @@ class BareBatchNormAct(torch.autograd.Function):
         c = x.shape[1]
         gw, gb = torch.empty(c, device=x.device), torch.empty(c, device=x.device)
         torch.empty(4 * c, dtype=torch.float64, device=x.device)  # (the scratch buffer)
-        return torch.empty_like(x), gw, gb, *(None,) * 6
+        return torch.empty_like(x), gw, gb, *(None,) * 7
 
 
 def bare_batchnorm(fn):

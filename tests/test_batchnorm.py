@@ -267,11 +267,12 @@ def test_launch_plan(act, channels_last, monkeypatch):
     p = _batchnorm.plan(s, 256 | 512)
     assert p.width == 8 and _batchnorm.plan(s, 256 | 520).width == 1
     assert _batchnorm.prepare(s, 256 | 520, "forward").plan.width == 1
-    buffers = _batchnorm.Buffers(*range(16))
-    for which in ("forward", "backward", "eval"):
+    buffers = _batchnorm.Buffers(*range(1, 20))
+    for which in ("forward", "backward", "eval", "running"):
         ps = _batchnorm.prepare(s, 256 | 512, which)
-        assert ps.plan == p and ps.work % 16 == 0 and ps.coef % 16 == 0
-        assert ps.doubles * 8 >= ps.coef + 16 * 48 and ps.work >= 8 * 48  # (mean, invstd)
+        assert ps.plan == p and ps.moments % 16 == 0 and ps.coef % 16 == 0
+        assert ps.moments >= 8 * 48 and ps.stats * 8 == ps.moments + 16 * 48  # (mean, invstd)
+        assert ps.work * 8 == ps.coef + 16 * 48  # (partial sums, then coef)
         _batchnorm.run(ps, 0, buffers, ps.need, 0.1, 1e-5, 0.01, 0)
     names = set(_batchnorm.all_kernel_names())
     assert all(name in names for name, _ in launched), launched
@@ -282,11 +283,12 @@ def test_launch_plan(act, channels_last, monkeypatch):
         "bn_reduce", *finish, "bn_forward",
         "bn_reduce", *finish, "bn_backward",
         "bn_finalize_eval", "bn_forward",
+        "bn_update_running",
     ]  # fmt: skip
     assert _batchnorm.arrivals(s) == (0 if channels_last else 48)
     blocks = -(-48 // 8 // 32) if channels_last else 48
     assert launched[0][1] == launched[per_pass][1] == (p.splits, blocks)
-    assert launched[-2][1] == (1, 1)  # (a thread per channel)
+    assert launched[-3][1] == launched[-1][1] == (1, 1)  # (a thread per channel)
     assert 1 < p.splits * 2048 <= s.n // blocks + 2048  # each block's share >= 2048 elements
     odd = _batchnorm.shape(0, "float32", act, channels_last, 2 * 6 * 5 * 5, 25, 6)
     assert not odd.vector and _batchnorm.plan(odd, 256).width == 1
@@ -313,7 +315,7 @@ def test_kernels_compile_with_nvrtc(arch):
     finally:
         nvrtc.destroyProgram(prog)
     entries = re.findall(r"^\.(?:visible|weak) \.entry ", ptx, re.M)
-    assert len(entries) == len(set(names)) == 3 + 3 * 4 * 14  # (dtype, layout, width) x kernels
+    assert len(entries) == len(set(names)) == 4 + 3 * 4 * 14  # (dtype, layout, width) x kernels
     sizes = set(re.findall(r"\.param \.align \d+ \.b8 \S+_param_0\[(\d+)\]", ptx))
     assert sizes == {str(_batchnorm._PARAMS.size)}
     assert "__local_depot" not in ptx
@@ -530,10 +532,22 @@ def test_nchw_reductions_leave_their_counters_zero_on_every_stream():
         assert len(got) == len(want)
         for i, (a, e) in enumerate(zip(got, want)):
             testing.assert_bits_equal(a, e, f"output {i}")
-    sets = ct.batchnorm._arrival_sets
+    from cupy_act.torch import _bn_kernels
+
+    sets = _bn_kernels._arrival_sets
     for stream in (side, torch.cuda.default_stream()):
-        counters = sets[(0, stream.cuda_stream)]
-        assert counters.dtype == torch.int32 and not counters.any(), stream
+        for graphs in (False, True):  # (the set for graphs captured there, made beside it)
+            ptr = sets[(0, stream.cuda_stream, graphs)]
+            import cupy
+
+            words = cupy.ndarray(
+                (_bn_kernels._ARRIVALS,),
+                cupy.int32,
+                cupy.cuda.MemoryPointer(
+                    cupy.cuda.UnownedMemory(ptr, 4 * _bn_kernels._ARRIVALS, None), 0
+                ),
+            )
+            assert not words.any(), stream
 
 
 @pytest.mark.gpu

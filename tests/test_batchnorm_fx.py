@@ -78,6 +78,8 @@ FUSED = {  # path -> (act, slope)
     "bn_g": ("leaky_relu", 0.3),
     "bn_t": ("relu", 0.0),
     "bn_m": ("relu", 0.0),
+    "layer1.0.bn3": ("relu", 0.0),  # (the residual tails: bn3(out) += identity; relu)
+    "layer1.1.bn3": ("relu", 0.0),
 }
 
 
@@ -98,7 +100,9 @@ def _steps(model, xs, ts):
 
 def test_fuses_pairs_the_graph_shows_and_trains_as_before():
     """Every BatchNorm whose one use is a ReLU / LeakyReLU (module, function,
-    method) is fused, with its slope; the rest stay. The graph module shares
+    method), or an addition feeding one (the bottlenecks' tails, which then
+    take the identity as their residual), is fused, with its slope; the rest
+    stay. The graph module shares
     the model's parameters, keeps its state_dict keys and trains bit for bit
     as the model (CPU: PyTorch's normalization, our activation); the model
     itself is unchanged."""
@@ -112,7 +116,11 @@ def test_fuses_pairs_the_graph_shows_and_trains_as_before():
             fused.items()} == FUSED  # fmt: skip
     assert all(m.memory == "default" for m in fused.values())
     assert type(gm.get_submodule("bn_h")) is nn.BatchNorm2d
-    assert type(gm.get_submodule("layer1.0.bn3")) is nn.BatchNorm2d
+    assert type(gm.get_submodule("layer1.0.downsample.1")) is nn.BatchNorm2d  # (the other addend)
+    tails = [n for n in gm.graph.nodes if n.op == "call_module" and n.target.endswith("bn3")]
+    assert [len(n.args) for n in tails] == [2, 2]  # (input, residual)
+    assert not any(n.op == "call_function" and "add" in str(n.target) for n in gm.graph.nodes
+                   if n.target is not None and "layer1" in n.name)  # fmt: skip
     assert not any(isinstance(m, ct.BatchNormAct2d) for m in model.modules())
     assert list(gm.state_dict()) == list(model.state_dict())
     assert {id(p) for p in gm.parameters()} == {id(p) for p in model.parameters()}
@@ -144,6 +152,8 @@ def test_inplace_mode_where_a_convolution_output_is_read_once():
         "bn_g": "default",  # (conv_g's output is read twice)
         "bn_t": "default",  # (relu, and it reads a sum)
         "bn_m": "default",  # (relu)
+        "layer1.0.bn3": "inplace",  # (LeakyReLU after the addition: invertible)
+        "layer1.1.bn3": "inplace",
     }
     x = torch.randn(2, 3, 12, 12)
     testing.assert_bits_equal(gm(x), model(x))

@@ -24,7 +24,7 @@ from torch import nn  # noqa: E402
 
 import cupy_act.torch as ct  # noqa: E402
 from cupy_act import _batchnorm, _conv, _launch  # noqa: E402
-from cupy_act.torch import _conv_checks, _impl, conv  # noqa: E402
+from cupy_act.torch import _bn_kernels, _conv_checks, _impl, conv  # noqa: E402
 from cupy_act.torch import batchnorm as bnmod  # noqa: E402
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -69,8 +69,9 @@ def _fake_kernels(monkeypatch):
     monkeypatch.setattr(_impl, "_raw_stream", lambda device: 5)
     monkeypatch.setattr(_launch, "_ctx_get_current", lambda: 7)
     monkeypatch.setattr(_launch, "_ctx_set_current", lambda ctx: None)
-    monkeypatch.setattr(bnmod, "_capturing", lambda: False)
-    monkeypatch.setattr(bnmod, "_arrival_sets", {})
+    monkeypatch.setattr(_bn_kernels, "_capturing", lambda: False)
+    monkeypatch.setattr(_bn_kernels, "_arrival_sets", {})
+    monkeypatch.setattr(_bn_kernels, "_new_set", lambda device: 4096)
     monkeypatch.setattr(
         _batchnorm, "_kernel", lambda d, t, name: _batchnorm._Kernel(hash(name) % 997 + 1, 7, None)
     )
@@ -462,7 +463,7 @@ def test_launcher_mismatch_refused_batchnorm(monkeypatch):
     monkeypatch.setattr(_batchnorm, "_passes", {})
     s = _batchnorm.shape(0, "float32", "relu", False, 4 * 16 * 25, 25, 16)
     ps = _batchnorm.prepare(s, 0, "forward")
-    b = _batchnorm.Buffers(*range(1, 17))
+    b = _batchnorm.Buffers(*range(1, 20))
     short = ps.need._replace(weight=32, running_var=32)
     with pytest.raises(_launch.SizeMismatch, match="weight has 32 bytes, needs 64.*running_var"):
         _batchnorm.run(ps, 0, b, short, 0.1, 1e-5, 0.0, 0)

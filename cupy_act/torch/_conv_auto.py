@@ -40,9 +40,19 @@ def choose(
     gradient (``grads``: which of x, weight, bias; each set is a choice of
     its own, since the backward's kernels differ: a first layer, whose x
     needs none, skips the input gradient). ``checked``: the call's
-    ``_checked``, which says where the fused kernel runs."""
-    if not x.is_cuda:
+    ``_checked``, which says where the fused kernel runs.
+
+    Under torch.compile the choice is eager's for the same call
+    (``_compiled_choice``: looked up, or measured on tensors of the call's
+    kind when Dynamo first traces it) and becomes a constant of the graph."""
+    if not _impl.on_gpu(x):
         return "exact"
+    if torch.compiler.is_compiling():
+        return _compiled_choice(
+            call, tuple(x.shape), x.dtype, x.device, _impl.is_channels_last(x),
+            tuple(weight.shape), bias is not None, divisor, slope, stride, padding, dilation,
+            allow_tf32, grads,
+        )  # fmt: skip
     # What the choice depends on beyond the call's kind (``checked``'s key:
     # shapes, dtype, device, hyper-parameters), looked up there first: a
     # per-call cost of its own on every call of "auto".
@@ -67,8 +77,8 @@ def choose(
     choice = _choices.get(key)
     if choice is None:
         fusable = dict(zip(("fused", "fused_tf32"), checked.fusable))
-        # No timing while compiling or capturing a graph: the fused kernel, if it applies.
-        if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        # No timing while capturing a graph: the fused kernel, if it applies.
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return "fused" if fusable["fused"] else "exact"
         names = [a for a in candidates(x.dtype, allow_tf32) if fusable.get(a, True)]
         if grads is not None:
@@ -117,6 +127,43 @@ def _training_step(call, x, weight, bias, divisor, slope, stride, padding, dilat
             torch.autograd.grad(run(), wrt, gy)
 
     return step
+
+
+@torch.compiler.assume_constant_result
+def _compiled_choice(call, x_shape, dtype, device, channels_last, w_shape, with_bias, divisor,
+                     slope, stride, padding, dilation, allow_tf32, grads) -> str:  # fmt: skip
+    """What eager "auto" picks for a call of this kind, run by Dynamo as plain
+    Python while it traces (``assume_constant_result``: the graph keeps the
+    answer): eager's own call on fresh tensors of the same shapes, dtype,
+    layout and gradient needs, which times the candidates where nothing is
+    cached yet (outside any graph: Dynamo traces before running) and caches
+    the choice for both. torch.compile's flag is lowered for that call
+    (``torch.compiler._is_compiling_flag``, private: without it, the cached
+    choice or "fused")."""
+    gen = torch.Generator(device).manual_seed(0)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    needs = grads or (False, False, False)
+    x = torch.randn(x_shape, dtype=dtype, device=device, generator=gen)
+    x = x.contiguous(memory_format=fmt).requires_grad_(needs[0])
+    w = torch.randn(w_shape, dtype=dtype, device=device, generator=gen).requires_grad_(needs[1])
+    b = None
+    if with_bias:
+        b = torch.randn(w_shape[:1], dtype=dtype, device=device, generator=gen)
+        b.requires_grad_(needs[2])
+    flag = getattr(torch.compiler, "_is_compiling_flag", None)
+    if flag is not None:  # (the call as eager makes it: its own paths, its own timing)
+        torch.compiler._is_compiling_flag = False
+        try:
+            with torch.set_grad_enabled(grads is not None):
+                call(x, w, b, divisor, slope, stride, padding, dilation, algorithm="auto",
+                     allow_tf32=allow_tf32)  # fmt: skip
+        finally:
+            torch.compiler._is_compiling_flag = flag
+    key = (device, dtype, tuple(x_shape), channels_last, tuple(w_shape), with_bias, str(stride),
+           str(padding), str(dilation), allow_tf32, _cudnn_allow_tf32(), grads)  # fmt: skip
+    # (where torch has no such flag and nothing is cached: the fused kernel,
+    # which the compiled graph then runs if it applies, else "exact")
+    return _choices.get(key, "fused")
 
 
 def auto_choices() -> dict[tuple, str]:

@@ -35,10 +35,12 @@ import torch
 from torch import nn
 
 from .. import _batchnorm as _bn
-from . import _impl, adopt, modules
+from . import _bn_kernels as _K
+from . import _bn_ops, _impl, adopt, modules
 from . import functional as F
+from ._bn_ops import set_compiled_batchnorm
 
-__all__ = ["BatchNormAct2d", "fuse_batchnorm_act"]
+__all__ = ["BatchNormAct2d", "fuse_batchnorm_act", "set_compiled_batchnorm"]
 
 ACTS = ("relu", "leaky_relu", "identity")
 _ACT_CLASSES = {
@@ -164,12 +166,29 @@ class BatchNormAct2d(nn.BatchNorm2d):
             )
         self.negative_slope = float(slope)
         self.memory = _memory_mode(memory, self.act, self.negative_slope)
+        # whether the input is a convolution's output (the fusers know; None:
+        # unknown), for the compiled route's policy (set_compiled_batchnorm)
+        self.after_conv: bool | None = None
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``act(bn(input))``, or ``act(bn(input) + residual)`` (the residual
+        block's tail, apex's ``bn_add_relu``: one pass, and the backward
+        returns the residual's gradient too)."""
+        if residual is not None and not isinstance(residual, torch.Tensor):
+            raise TypeError(
+                f"BatchNormAct2d: residual must be a torch.Tensor or None, got "
+                f"{type(residual).__name__}"
+            )
+        if F._is_compiling():
+            y = _compiled_forward(self, input, residual)
+            if y is not None:
+                return y
         tensors = _fused_tensors(self, input)
-        if tensors is not None:
-            return _fused_forward(self, input, tensors)
+        if tensors is not None and _residual_fits(self, input, residual):
+            return _fused_forward(self, input, tensors, residual)
         y = nn.BatchNorm2d.forward(self, input)  # PyTorch's normalization, running statistics
+        if residual is not None:  # (as torchvision's blocks write it: out += identity)
+            y = y.add_(residual) if residual.shape == y.shape else y + residual
         if self.act == "relu":
             return F.relu(y, inplace=True)
         if self.act == "leaky_relu":
@@ -281,6 +300,61 @@ def _kernel_tensors(x: torch.Tensor, t: _Tensors, mean, var, counts: bool) -> bo
     return True
 
 
+def _compiled_forward(m: BatchNormAct2d, x: torch.Tensor, residual) -> torch.Tensor | None:
+    """Under torch.compile: ``_bn_ops.BatchNormActFunction`` over the
+    ``cupy_act::batchnorm_act`` ops (and ``batchnorm_running_``) where the
+    policy puts it (``_bn_ops.takes``) and the kernels take the call in any
+    layout, else None (then PyTorch's operations, traced). The momentum's
+    cumulative average (``momentum=None``) divides by the count, a tensor:
+    traced."""
+    if not (_bn_ops.takes(m.after_conv, m.memory) and _impl.on_gpu(x) and x.dim() == 4):
+        return None
+    if x.dtype not in _FUSED_DTYPES or x.shape[1] > 65535:
+        return None
+    if residual is not None and not (
+        residual.shape == x.shape and residual.dtype == x.dtype and residual.device == x.device
+    ):
+        return None
+    t = _tensors(m)
+    c = x.shape[1]
+    passed = not m.training or m.track_running_stats
+    mean, var = (t.running_mean, t.running_var) if passed else (None, None)
+    _check_channels(c, m.training, mean, var, t.weight, t.bias)
+    batch = _batch_statistics(m, t.running_mean)
+    update = m.training and m.track_running_stats and mean is not None
+    if not _kernel_tensors(x, t, mean, var, False) or (update and m.momentum is None):
+        return None
+    if (batch and x.numel() // max(c, 1) <= 1) or (not batch and (mean is None or var is None)):
+        return None  # (PyTorch's path raises its error)
+    if m.training and m.track_running_stats and t.num_batches_tracked is not None:
+        t.num_batches_tracked.add_(1)
+    w, b = t.weight, t.bias
+    grad = torch.is_grad_enabled() and any(
+        v is not None and v.requires_grad for v in (x, w, b, residual)
+    )
+    y, stats = _bn_ops.BatchNormActFunction.apply(
+        x, w, b, residual, None if batch else mean, None if batch else var, float(m.eps),
+        m.act, m.negative_slope, not batch, m.memory == "inplace", grad,
+    )  # fmt: skip
+    if update:
+        torch.ops.cupy_act.batchnorm_running_(mean, var, stats, x.numel(), float(m.momentum))
+    return y
+
+
+def _residual_fits(m: BatchNormAct2d, x: torch.Tensor, residual) -> bool:
+    """Whether the kernels take ``residual`` with x (None, or x's shape, dtype
+    and device; in the in-place mode not x's storage, which y overwrites
+    while the backward still reads the residual). Else PyTorch's path adds it
+    (broadcasting, or raising, as ``out += residual`` would)."""
+    if residual is None:
+        return True
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+        return False
+    if m.memory == "inplace":
+        return residual.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    return True
+
+
 def _fusable(m: BatchNormAct2d, x: torch.Tensor) -> bool:
     """Whether the fused kernels apply (``_fused_tensors``)."""
     return _fused_tensors(m, x) is not None
@@ -292,7 +366,7 @@ def _batch_statistics(m: nn.BatchNorm2d, running_mean) -> bool:
     return m.training or running_mean is None
 
 
-def _fused_forward(m: BatchNormAct2d, x: torch.Tensor, t: _Tensors) -> torch.Tensor:
+def _fused_forward(m: BatchNormAct2d, x: torch.Tensor, t: _Tensors, residual) -> torch.Tensor:
     """nn.BatchNorm2d.forward's running-statistics bookkeeping, then the kernels."""
     factor = 0.0 if m.momentum is None else m.momentum
     batch = _batch_statistics(m, t.running_mean)
@@ -312,101 +386,35 @@ def _fused_forward(m: BatchNormAct2d, x: torch.Tensor, t: _Tensors) -> torch.Ten
         x.requires_grad
         or (w is not None and w.requires_grad)
         or (b is not None and b.requires_grad)
+        or (residual is not None and residual.requires_grad)
     )
-    mode = _Mode(m.act, m.negative_slope, not batch, m.memory == "inplace", grad)
-    return _apply_fused(x, w, b, mean, var, count, float(factor), float(m.eps), mode)
-
-
-class _Mode(NamedTuple):
-    act: str
-    slope: float
-    evaluate: bool  # normalize with the running statistics
-    inplace: bool  # write y over x, save only y (the backward inverts it)
-    grad: bool  # a backward may follow: write the mask
-
-
-def _ptr(t) -> int:
-    return 0 if t is None else t.data_ptr()
-
-
-try:  # (private: the public function wraps it)
-    _capturing = torch._C._cuda_isCurrentStreamCapturing
-except AttributeError:  # pragma: no cover - depends on the torch version
-    _capturing = torch.cuda.is_current_stream_capturing
-
-# Zeroed counters for the NCHW reductions (_bn.arrivals), one set per (device,
-# stream): a launch leaves them zero for the next on its stream, and kernels on
-# one stream run in order. A CUDA graph being captured gets a set of its own,
-# zeroed by a node of the graph before each replay's use.
-_ARRIVALS = 65536  # (channels <= 65535)
-_arrival_sets: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def _arrivals(s: _bn.Shape, device: torch.device, stream: int) -> tuple[int, int]:
-    """(address, bytes) of zeroed counters for the pass, or (0, 0) where it needs none."""
-    if not _bn.arrivals(s):
-        return 0, 0
-    if _capturing():
-        fresh = torch.zeros(s.channels, dtype=torch.int32, device=device)
-        return fresh.data_ptr(), 4 * s.channels  # (freed in stream order: the graph's memory)
-    t = _arrival_sets.get((s.device, stream))
-    if t is None:
-        if len(_arrival_sets) > 64:  # (streams made per step: start over)
-            _arrival_sets.clear()
-        t = _arrival_sets[(s.device, stream)] = torch.zeros(
-            _ARRIVALS, dtype=torch.int32, device=device
-        )
-    return t.data_ptr(), 4 * _ARRIVALS
-
-
-def _nbytes(t) -> int:
-    """Bytes of a dense tensor (0 for None): what a kernel may index from its address."""
-    return 0 if t is None else t.numel() * t.element_size()
+    mode = _K.Mode(m.act, m.negative_slope, not batch, m.memory == "inplace", grad)
+    if residual is not None:
+        residual = _K.arranged(residual, _K.layout_of(x))
+    return _apply_fused(x, w, b, residual, mean, var, count, float(factor), float(m.eps), mode)
 
 
 class FusedBatchNormAct(torch.autograd.Function):
-    """BatchNorm + activation in cupy_act's kernels (cuda/batchnorm.cu).
+    """BatchNorm (+ residual) + activation in cupy_act's kernels (cuda/batchnorm.cu).
 
     Default mode: saves x, the mean and invstd used and the 1-bit mask. In
-    place: writes y over x (marked dirty) and saves y, the mean and invstd;
-    the backward recovers the activation's input and xhat by inverting the
-    activation and the affine transform. Gradients for x, weight and bias; no
+    place: writes y over x (marked dirty) and saves y, the mean and invstd
+    (and the residual, which the inversion subtracts); the backward recovers
+    the activation's input and xhat by inverting the activation and the
+    affine transform. Gradients for x, weight, bias and the residual; no
     double backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, count, factor, eps, mode: _Mode):
-        cl = not x.is_contiguous()
-        shape = x.shape
-        n, c = x.numel(), shape[1]
-        dev = x.device
-        dtype = _impl.DTYPE_NAMES[x.dtype]
-        s = _bn.shape(dev.index, dtype, mode.act, cl, n, shape[2] * shape[3], c)
-        y = x if mode.inplace else torch.empty_like(x)
-        mask = None
-        if mode.grad and not mode.inplace and mode.act != "identity":
-            mask = torch.empty(-(-n // 32), dtype=torch.int32, device=dev)
-        xp, yp = x.data_ptr(), y.data_ptr()
-        ps = _bn.prepare(s, xp | yp, "eval" if mode.evaluate else "forward")
-        # mean and invstd (kept for the backward), then the work area
-        stats = torch.empty(ps.doubles, dtype=torch.float64, device=dev)
-        mean = stats.data_ptr()
-        stream = _impl._raw_stream(s.device)
-        counters, counted = (0, 0) if mode.evaluate else _arrivals(s, dev, stream)
-        buffers = _bn.Buffers(
-            xp, 0, yp, _ptr(mask), _ptr(weight), _ptr(bias), mean, mean + 4 * c, mean + ps.work,
-            _ptr(running_mean), _ptr(running_var), 0, 0, mean + ps.coef, _ptr(count), counters,
-        )  # fmt: skip
-        sb, xb = _nbytes(stats), _nbytes(x)
-        have = (
-            xb, 0, xb, _nbytes(mask), _nbytes(weight), _nbytes(bias), sb, sb - 4 * c,
-            sb - ps.work, _nbytes(running_mean), _nbytes(running_var), 0, 0, sb - ps.coef,
-            _nbytes(count), counted,
-        )  # fmt: skip
-        flags = _bn.EVAL if mode.evaluate else 0
-        _bn.run(ps, stream, buffers, have, factor, eps, mode.slope, flags)
+    def forward(ctx, x, weight, bias, residual, running_mean, running_var, count, factor, eps,
+                mode: _K.Mode):  # fmt: skip
+        out = x if mode.inplace else None
+        y, stats, mask, s = _K.forward(
+            x, weight, bias, residual, running_mean, running_var, count, factor, eps, mode, out
+        )
         if mode.inplace:
             ctx.mark_dirty(x)
-        ctx.save_for_backward(y if mode.inplace else x, weight, bias, stats, mask)
+        kept = residual if mode.inplace else None
+        ctx.save_for_backward(y if mode.inplace else x, weight, bias, stats, mask, kept)
         ctx.args = (s, mode)
         return y
 
@@ -421,38 +429,15 @@ class FusedBatchNormAct(torch.autograd.Function):
 
 
 def _backward(ctx, gy):
-    src, weight, bias, stats, mask = ctx.saved_tensors
+    src, weight, bias, stats, mask, residual = ctx.saved_tensors
     s, mode = ctx.args
-    gy = gy.contiguous(memory_format=torch.channels_last if s.channels_last else _CONTIGUOUS)
-    c = s.channels
-    dev = src.device
-    dx = torch.empty_like(src)
-    sp, gp, dp = src.data_ptr(), gy.data_ptr(), dx.data_ptr()
-    ps = _bn.prepare(s, sp | gp | dp, "backward_from_output" if mode.inplace else "backward")
     needs = ctx.needs_input_grad
-    # (each gradient its own allocation: a parameter's .grad may keep it)
-    gw = torch.empty(c, dtype=torch.float32, device=dev) if needs[1] else None
-    gb = torch.empty(c, dtype=torch.float32, device=dev) if needs[2] else None
-    work = torch.empty(ps.doubles, dtype=torch.float64, device=dev)
-    mean, w = stats.data_ptr(), work.data_ptr()
-    stream = _impl._raw_stream(s.device)
-    counters, counted = _arrivals(s, dev, stream)
-    buffers = _bn.Buffers(
-        sp, gp, dp, _ptr(mask), _ptr(weight), _ptr(bias), mean, mean + 4 * c, w + ps.work,
-        0, 0, _ptr(gw), _ptr(gb), w + ps.coef, 0, counters,
-    )  # fmt: skip
-    sb, wb = _nbytes(stats), _nbytes(work)
-    have = (
-        _nbytes(src), _nbytes(gy), _nbytes(dx), _nbytes(mask), _nbytes(weight), _nbytes(bias),
-        sb, sb - 4 * c,
-        wb - ps.work, 0, 0, _nbytes(gw), _nbytes(gb), wb - ps.coef, 0, counted,
-    )  # fmt: skip
-    flags = (_bn.EVAL if mode.evaluate else 0) | (_bn.FROM_OUTPUT if mode.inplace else 0)
-    _bn.run(ps, stream, buffers, have, 0.0, 0.0, mode.slope, flags)
-    return dx, gw, gb, None, None, None, None, None, None
+    dx, gw, gb, gr = _K.backward(
+        src, gy, mask, weight, bias, stats, residual, s, mode, needs[1], needs[2], needs[3]
+    )
+    return dx, gw, gb, gr, None, None, None, None, None, None
 
 
-_CONTIGUOUS = torch.contiguous_format
 _backward_once = torch.autograd.function.once_differentiable(_backward)
 
 
@@ -465,10 +450,12 @@ except AttributeError:  # pragma: no cover - depends on the torch version
     _apply_fused = FusedBatchNormAct.apply
 
 
-def _fused(bn: nn.BatchNorm2d, act: str, slope: float, memory: str) -> BatchNormAct2d:
+def _fused(bn: nn.BatchNorm2d, act: str, slope: float, memory: str,
+           after_conv: bool | None = None) -> BatchNormAct2d:  # fmt: skip
     """A BatchNormAct2d holding bn's own parameters and buffers (optimizers and
     other references to them stay valid) and its training flag, in memory
-    mode ``memory`` (``_mode_for``'s choice)."""
+    mode ``memory`` (``_mode_for``'s choice); ``after_conv``: whether its
+    input is a convolution's output."""
     new = BatchNormAct2d(
         bn.num_features,
         bn.eps,
@@ -483,6 +470,7 @@ def _fused(bn: nn.BatchNorm2d, act: str, slope: float, memory: str) -> BatchNorm
     new._parameters = dict(bn._parameters)
     new._buffers = dict(bn._buffers)
     new.train(bn.training)
+    new.after_conv = after_conv
     for name in adopt._HOOK_DICTS:  # (handles from register_*_hook keep working)
         if name in bn.__dict__:
             setattr(new, name, getattr(bn, name))
@@ -564,7 +552,7 @@ def fuse_batchnorm_act(model: nn.Module, memory: str = "default") -> tuple[nn.Mo
                     fresh = name == "bn" and _is_conv_norm_act(parent)
                     label = f"{path}.{name}" if path else name
                     mode = _mode_for(child, act, memory, fresh, kept, label)
-                    parent._modules[name] = _fused(child, *act, mode)
+                    parent._modules[name] = _fused(child, *act, mode, fresh or None)
                     count += 1
             elif isinstance(parent, nn.Sequential) and type(child) is nn.BatchNorm2d:
                 if i + 1 < len(children):
@@ -574,7 +562,7 @@ def fuse_batchnorm_act(model: nn.Module, memory: str = "default") -> tuple[nn.Mo
                         fresh = i > 0 and isinstance(children[i - 1][1], nn.Conv2d)
                         label = f"{path}.{name}" if path else name
                         mode = _mode_for(child, act, memory, fresh, kept, label)
-                        parent._modules[name] = _fused(child, *act, mode)
+                        parent._modules[name] = _fused(child, *act, mode, fresh)
                         parent._modules[next_name] = nn.Identity()
                         count += 1
     unfused = [n for n, m in model.named_modules() if type(m) is nn.BatchNorm2d]
@@ -609,7 +597,8 @@ def _warn_left(fname: str, kept: dict, synced: list, count: int, unfused: list) 
         hint = (
             "fuse_batchnorm_act_fx(model) follows the calls a model's forward makes"
             if fname == "fuse_batchnorm_act"
-            else "each must be called at one place and feed only a ReLU or LeakyReLU"
+            else "each must be called at one place and feed only a ReLU or LeakyReLU, or an "
+            "addition that feeds one"
         )
         warnings.warn(
             f"{fname}: fused {count} BatchNorm -> activation pair(s); {len(unfused)} "

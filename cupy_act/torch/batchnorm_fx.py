@@ -7,10 +7,14 @@ call their BatchNorm and activation from ``forward`` (``self.bn1`` then a
 this traces the model with ``torch.fx`` and fuses every ``nn.BatchNorm2d``
 whose one use is an activation (``nn.ReLU`` / ``nn.LeakyReLU`` modules, ours
 too, ``F.relu``, ``torch.relu``, ``F.leaky_relu`` with a constant slope and
-their in-place forms, ``Tensor.relu``).
+their in-place forms, ``Tensor.relu``), or an addition whose one use is
+such an activation (a residual block's tail: ``out = bn3(out); out +=
+identity; relu(out)`` becomes ``bn3(out, identity)``).
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.nn.functional as tf
@@ -47,6 +51,37 @@ def _activation(node: fx.Node, source: fx.Node, modules: dict) -> tuple[str, flo
     return None
 
 
+_ADDS = (operator.add, operator.iadd, torch.add)
+
+
+def _residual_tail(node: fx.Node, modules: dict):
+    """(add node, the other operand, activation node, (act, slope)) where
+    ``node``'s one use adds one other tensor node to it (``+``, ``+=``,
+    ``torch.add`` without alpha) and that sum's one use is an activation of
+    it, else None."""
+    add = next(iter(node.users)) if len(node.users) == 1 else None
+    if add is None or add.op != "call_function" or add.target not in _ADDS or add.kwargs:
+        return None
+    if len(add.args) != 2 or len(add.users) != 1 or node not in add.args:
+        return None
+    other = add.args[1] if add.args[0] is node else add.args[0]
+    if not isinstance(other, fx.Node) or other is node:
+        return None
+    user = next(iter(add.users))
+    act = _activation(user, add, modules)
+    return None if act is None else (add, other, user, act)
+
+
+def _reads_conv(node: fx.Node, modules: dict) -> bool:
+    """Whether ``node`` (a BatchNorm call) reads an ``nn.Conv2d``'s output."""
+    src = node.args[0] if node.args else None
+    return (
+        isinstance(src, fx.Node)
+        and src.op == "call_module"
+        and isinstance(modules.get(src.target), nn.Conv2d)
+    )
+
+
 def _fresh_conv_output(node: fx.Node, modules: dict) -> bool:
     """Whether ``node`` (a BatchNorm call) reads a convolution's output that
     nothing else reads: the in-place mode may write over it."""
@@ -67,7 +102,10 @@ def fuse_batchnorm_act_fx(
     Every ``nn.BatchNorm2d`` (exact type, called at one place in the graph)
     whose output has one use, a ReLU or LeakyReLU of it, becomes a
     ``BatchNormAct2d`` holding the same parameters and buffers, and the
-    activation call goes. ``memory="inplace"`` applies where the BatchNorm
+    activation call goes. Where that one use is an addition of another
+    tensor whose one use is the activation (torchvision's Bottleneck and
+    BasicBlock tails), the fused module takes the other tensor as its
+    ``residual`` and the addition goes too. ``memory="inplace"`` applies where the BatchNorm
     reads an ``nn.Conv2d`` output used by nothing else and its weight has no
     zero now (a warning names those that do); the others get the default.
     ``nn.SyncBatchNorm`` is left alone, with a warning.
@@ -116,15 +154,25 @@ def fuse_batchnorm_act_fx(
             continue
         user = next(iter(node.users)) if len(node.users) == 1 else None
         act = _activation(user, node, modules) if user is not None else None
-        if calls[node.target] != 1 or act is None or user is None:
+        tail = _residual_tail(node, modules) if act is None else None
+        if calls[node.target] != 1 or user is None or (act is None and tail is None):
             unfused.append(node.target)
             continue
         fresh = _fresh_conv_output(node, modules)
-        mode = bn._mode_for(module, act, memory, fresh, kept, node.target)
+        mode = bn._mode_for(module, act or tail[3], memory, fresh, kept, node.target)
         parent, _, name = node.target.rpartition(".")
-        setattr(gm.get_submodule(parent), name, bn._fused(module, *act, mode))
-        user.replace_all_uses_with(node)
-        gm.graph.erase_node(user)
+        fused = bn._fused(module, *(act or tail[3]), mode, _reads_conv(node, modules))
+        setattr(gm.get_submodule(parent), name, fused)
+        if tail is None:
+            user.replace_all_uses_with(node)
+            gm.graph.erase_node(user)
+        else:  # the call moves to the addition, where the residual exists
+            add, other, act_node, _ = tail
+            with gm.graph.inserting_before(add):
+                call = gm.graph.call_module(node.target, (node.args[0], other))
+            act_node.replace_all_uses_with(call)
+            for dead in (act_node, add, node):
+                gm.graph.erase_node(dead)
         count += 1
     bn._warn_left("fuse_batchnorm_act_fx", kept, synced, count, sorted(set(unfused)))
     gm.graph.lint()

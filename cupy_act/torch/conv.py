@@ -240,20 +240,60 @@ def fused_wgrad(
     return gw, gb
 
 
-@torch.library.custom_op("cupy_act::conv2d_div_leaky_relu_wgrad", mutates_args=())
-def wgrad_op(
-    x: Tensor,
-    gy: Tensor,
-    mask: Tensor,
-    weight_shape: list[int],
-    with_bias: bool,
-    divisor: float,
-    negative_slope: float,
-    stride: list[int],
-    padding: list[int],
-    dilation: list[int],
-    tf32: bool,
-) -> tuple[Tensor, Tensor]:
+# The ops' registration: ``torch.library.Library`` (define, impl, fake), not
+# ``custom_op``, whose Python layers each call in a compiled graph would pass
+# through; the autograd formulas are autograd.Functions (``_FusedCompiled``;
+# ``fused_op``, the custom op torch.func takes, has its own).
+_lib = torch.library.Library("cupy_act", "FRAGMENT")
+_GEOMETRY = "int[] stride, int[] padding, int[] dilation, bool tf32"
+_lib.define(
+    "conv2d_div_leaky_relu_forward(Tensor x, Tensor weight, Tensor? bias, float divisor, "
+    f"float negative_slope, {_GEOMETRY}, bool with_mask) -> (Tensor, Tensor)"
+)
+_lib.define(
+    "conv2d_div_leaky_relu_wgrad(Tensor x, Tensor gy, Tensor mask, int[] weight_shape, "
+    f"bool with_bias, float divisor, float negative_slope, {_GEOMETRY}) -> (Tensor, Tensor)"
+)
+_lib.define(
+    "conv2d_div_leaky_relu_dgrad(Tensor gy, Tensor mask, Tensor weight, int[] x_shape, "
+    f"bool channels_last, float divisor, float negative_slope, {_GEOMETRY}) -> Tensor"
+)
+
+
+def _register(name: str, impl, fake):
+    """impl on every backend (its checks name a CPU tensor), fake for tracing;
+    returns the op's overload."""
+    _lib.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"cupy_act::{name}", fake, lib=_lib)
+    return getattr(torch.ops.cupy_act, name).default
+
+
+def _forward_impl(x, weight, bias, divisor, negative_slope, stride, padding, dilation, tf32,
+                  with_mask):  # fmt: skip
+    """The fused forward, its launch kept per kind of call (``_checked``, as
+    eager keeps it): what a compiled graph calls."""
+    fname = _OP + "_forward"
+    _check_fused(fname, "input", x, (("weight", weight), ("bias", bias)))
+    c = _checked(x, weight, bias, divisor, negative_slope, stride, padding, dilation, "fused")
+    if not c.fusable[1 if tf32 else 0]:
+        raise ValueError(f"{fname}: {c.g or 'the padding'} is beyond the fused forward kernel")
+    y, mask = _kept_forward(
+        x, weight, bias, c.g, c.launches, float(divisor), float(negative_slope), tf32, with_mask
+    )
+    return y, x.new_empty(0, dtype=torch.uint8) if mask is None else mask
+
+
+def _forward_fake(x, weight, bias, divisor, negative_slope, stride, padding, dilation, tf32,
+                  with_mask):  # fmt: skip
+    g = _conv.geometry(FNAME, x.shape, weight.shape, stride, padding, dilation)
+    fmt = torch.channels_last if _impl.is_channels_last(x) else torch.contiguous_format
+    y = torch.empty(g.out_shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+    n = mask_nbytes(y.numel()) if with_mask else 0
+    return y, x.new_empty(n, dtype=torch.uint8)
+
+
+def _wgrad_impl(x, gy, mask, weight_shape, with_bias, divisor, negative_slope, stride, padding,
+                dilation, tf32):  # fmt: skip
     fname = _OP + "_wgrad"
     _check_fused(fname, "x", x, (("gy", gy),))
     check_divisor(divisor, fname)
@@ -268,8 +308,7 @@ def wgrad_op(
     )  # fmt: skip
 
 
-@wgrad_op.register_fake
-def _(x, gy, mask, weight_shape, with_bias, *args):
+def _wgrad_fake(x, gy, mask, weight_shape, with_bias, *args):
     gw = torch.empty(tuple(weight_shape), dtype=x.dtype, device=x.device)
     return gw, x.new_empty(weight_shape[0] if with_bias else 0)
 
@@ -297,20 +336,8 @@ def fused_dgrad(
     return gx
 
 
-@torch.library.custom_op("cupy_act::conv2d_div_leaky_relu_dgrad", mutates_args=())
-def dgrad_op(
-    gy: Tensor,
-    mask: Tensor,
-    weight: Tensor,
-    x_shape: list[int],
-    channels_last: bool,
-    divisor: float,
-    negative_slope: float,
-    stride: list[int],
-    padding: list[int],
-    dilation: list[int],
-    tf32: bool,
-) -> Tensor:
+def _dgrad_impl(gy, mask, weight, x_shape, channels_last, divisor, negative_slope, stride,
+                padding, dilation, tf32):  # fmt: skip
     fname = _OP + "_dgrad"
     _check_fused(fname, "gy", gy, (("weight", weight),))
     check_divisor(divisor, fname)
@@ -325,10 +352,14 @@ def dgrad_op(
     )  # fmt: skip
 
 
-@dgrad_op.register_fake
-def _(gy, mask, weight, x_shape, channels_last, *args):
+def _dgrad_fake(gy, mask, weight, x_shape, channels_last, *args):
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     return torch.empty(tuple(x_shape), dtype=gy.dtype, device=gy.device, memory_format=fmt)
+
+
+forward_op = _register("conv2d_div_leaky_relu_forward", _forward_impl, _forward_fake)
+wgrad_op = _register("conv2d_div_leaky_relu_wgrad", _wgrad_impl, _wgrad_fake)
+dgrad_op = _register("conv2d_div_leaky_relu_dgrad", _dgrad_impl, _dgrad_fake)
 
 
 def _save(ctx, x, weight, bias, mask, slope, divisor, stride, padding, dilation, tf32, g) -> None:
@@ -418,6 +449,25 @@ class _FusedEager(torch.autograd.Function):
         return *_grads(ctx, gy, True), *(None,) * 4
 
 
+class _FusedCompiled(torch.autograd.Function):
+    """The fused block where torch.compile traces a training call: the
+    forward op (``forward_op``, its launch kept per kind of call) and the
+    backward's ops (``_grads``), which Dynamo traces into the graphs; the
+    Function itself costs nothing in the compiled code."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, divisor, slope, stride, padding, dilation, tf32, g):
+        # (``g``, the call's geometry, comes in: a traced Function may not
+        # write the geometries' table, as working it out here might)
+        y, mask = forward_op(x, weight, bias, divisor, slope, stride, padding, dilation, tf32, True)
+        _save(ctx, x, weight, bias, mask, slope, divisor, stride, padding, dilation, tf32, g)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        return *_grads(ctx, gy, False), *(None,) * 7
+
+
 # Function.apply's Python wrapper binds no arguments here (no setup_context)
 # and, outside functorch transforms (which take fused_op), only unwraps dead
 # functorch wrappers before the C++ apply: that, inline, on the three tensors
@@ -442,18 +492,20 @@ _routes: dict[tuple, tuple[bool, bool]] = {}
 def _route(x: Tensor, w: Tensor, g, stride, padding, dilation, tf32: bool) -> tuple[bool, bool]:
     """(``_wgrad_fits``, ``_dgrad_fits``) of a backward, kept per geometry,
     dtype, device, layout and setting of ``FUSED_WGRAD`` and ``FUSED_DGRAD``
-    (symbolic sizes under torch.compile: worked out each time)."""
+    (under torch.compile: worked out each time)."""
     cl = _impl.is_channels_last(x)
-    key: tuple | None
-    try:
-        key = (g, x.dtype, x.device, tf32, cl, FUSED_WGRAD, FUSED_DGRAD)
-        r = _routes.get(key)
-    except TypeError:  # unhashable (symbolic) sizes
-        key = r = None
+    key: tuple | None = None
+    r = None
+    if not torch.compiler.is_compiling():  # (a traced backward may not write the table)
+        try:
+            key = (g, x.dtype, x.device, tf32, cl, FUSED_WGRAD, FUSED_DGRAD)
+            r = _routes.get(key)
+        except TypeError:  # unhashable (symbolic) sizes
+            key = r = None
     if r is None:
         r = (
-            _wgrad_fits(x, w, stride, padding, dilation, tf32),
-            _dgrad_fits(x, w, stride, padding, dilation, tf32),
+            _wgrad_fits(x, w, stride, padding, dilation, tf32, g),
+            _dgrad_fits(x, w, stride, padding, dilation, tf32, g),
         )
         if key is not None:
             if len(_routes) >= 256:
@@ -462,12 +514,14 @@ def _route(x: Tensor, w: Tensor, g, stride, padding, dilation, tf32: bool) -> tu
     return r
 
 
-def _wgrad_fits(x: Tensor, w: Tensor, stride, padding, dilation, tf32: bool) -> bool:
+def _wgrad_fits(x: Tensor, w: Tensor, stride, padding, dilation, tf32: bool, g=None) -> bool:
     """Whether the fused weight-gradient kernel takes this geometry (the
-    forward's kernel ran, so the dtype and device are its), per ``FUSED_WGRAD``."""
+    forward's kernel ran, so the dtype and device are its), per ``FUSED_WGRAD``;
+    ``g``: the geometry, if worked out already."""
     if FUSED_WGRAD is False:
         return False
-    g = _conv.geometry(FNAME, x.shape, w.shape, stride, padding, dilation)
+    if g is None:
+        g = _conv.geometry(FNAME, x.shape, w.shape, stride, padding, dilation)
     n_passes = _conv.passes(_impl.DTYPE_NAMES[x.dtype], "tf32" if tf32 else "fp32")
     if not _conv.wgrad_fits(g, n_passes):
         return False
@@ -509,12 +563,13 @@ def _wgrad_default(chunks: int, n_passes: int, float32: bool, channels_last: boo
 FUSED_WGRAD: bool | None = None
 
 
-def _dgrad_fits(x: Tensor, w: Tensor, stride, padding, dilation, tf32: bool) -> bool:
+def _dgrad_fits(x: Tensor, w: Tensor, stride, padding, dilation, tf32: bool, g=None) -> bool:
     """Whether the fused input-gradient kernel takes this geometry, per
-    ``FUSED_DGRAD``."""
+    ``FUSED_DGRAD``; ``g``: the geometry, if worked out already."""
     if FUSED_DGRAD is False:
         return False
-    g = _conv.geometry(FNAME, x.shape, w.shape, stride, padding, dilation)
+    if g is None:
+        g = _conv.geometry(FNAME, x.shape, w.shape, stride, padding, dilation)
     n_passes = _conv.passes(_impl.DTYPE_NAMES[x.dtype], "tf32" if tf32 else "fp32")
     if not _conv.dgrad_fits(g, n_passes):
         return False
@@ -595,10 +650,17 @@ def conv2d_div_leaky_relu(
     if algorithm.startswith("fused") and c.fusable[1 if tf32 else 0]:
         divisor, negative_slope = float(divisor), float(negative_slope)
         compiling = torch.compiler.is_compiling()
-        if needs_grad and not (compiling or F._functorch_active() or F._forward_ad_active()):
+        transformed = F._functorch_active() or F._forward_ad_active()
+        if needs_grad and not (compiling or transformed):
             return _train(input, weight, bias, divisor, negative_slope, tf32, c)
-        if needs_grad or compiling:
-            spd = [list(v) for v in c.spd]
+        spd = [list(v) for v in c.spd]
+        if compiling and not transformed:
+            if needs_grad:
+                return _FusedCompiled.apply(
+                    input, weight, bias, divisor, negative_slope, *spd, tf32, c.g
+                )
+            return forward_op(input, weight, bias, divisor, negative_slope, *spd, tf32, False)[0]
+        if needs_grad or compiling:  # (torch.func, forward-mode AD: the custom op)
             return fused_op(input, weight, bias, divisor, negative_slope, *spd, tf32, needs_grad)[0]
         return _kept_forward(
             input, weight, bias, c.g, c.launches, divisor, negative_slope, tf32, False

@@ -1,0 +1,350 @@
+"""The fused BatchNorm + activation as operators that compiled graphs call.
+
+    cupy_act::batchnorm_act(x, weight?, bias?, residual?, running_mean?, running_var?,
+                            eps, act, slope, evaluate, from_output, grad)
+        -> (y, stats, mask)
+    cupy_act::batchnorm_act_backward(src, dy, mask, weight?, bias?, stats, residual?,
+                                     act, slope, evaluate, from_output,
+                                     need_weight, need_bias, need_residual)
+        -> (dx, grad_weight, grad_bias, grad_residual)
+    cupy_act::batchnorm_running_(running_mean!, running_var!, stats, n, momentum)
+
+Registered through ``torch.library.Library`` (``define``, ``impl``, a fake
+kernel each): the dispatcher calls the implementation directly, without
+``custom_op``'s per-call Python layers. The autograd formula is
+``BatchNormActFunction``, an ``autograd.Function`` over the first two ops,
+which Dynamo traces into the forward and backward graphs; registered on the
+op itself (``torch.library.register_autograd``) it would be a Python kernel
+that every call of the op in a compiled graph passes through (measured:
+``autograd_impl`` -> ``forward_no_grad`` -> the implementation, about 4.5 us
+a call on a 2-core CPU host, 2026-11-29), where the Function costs nothing
+after tracing.
+
+The forward is functional: y is a new tensor in both memory modes.
+``from_output`` (the in-place mode) makes autograd save y instead of x (and
+the residual, which the inversion subtracts), so x, typically a
+convolution's output, dies after the call: InPlace-ABN's saving without
+mutating anything. The running statistics, which a functional op cannot
+update, are the third op's: it mutates them from the moments the forward
+kept in ``stats`` (``_bn.Pass``), with the same arithmetic as the eager
+kernels' (``bn_running`` in ``cuda/batchnorm.cu``): the same bits.
+
+Layout: tagged ``flexible_layout`` (where torch has the tag), so Inductor
+hands the op its tensors in the layout it chose (channels-last after its
+convolutions) instead of copying them to the traced strides. Each op walks a
+dense channels-last input channels-last and anything else in C order
+(copying what is neither), and every output's size depends on the input's
+shape alone: the fake kernels size them for whatever layout arrives.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import _batchnorm as _bn
+from . import _bn_kernels as _K
+from . import _impl
+
+_FLEXIBLE = tuple(t for t in (getattr(torch.Tag, "flexible_layout", None),) if t is not None)
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_ACTS = tuple(_bn.ACTS)
+
+_lib = torch.library.Library("cupy_act", "FRAGMENT")
+_lib.define(
+    "batchnorm_act(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, "
+    "Tensor? running_mean, Tensor? running_var, float eps, str act, float slope, "
+    "bool evaluate, bool from_output, bool grad) -> (Tensor, Tensor, Tensor)",
+    tags=_FLEXIBLE,
+)
+_lib.define(
+    "batchnorm_act_backward(Tensor src, Tensor dy, Tensor mask, Tensor? weight, Tensor? bias, "
+    "Tensor stats, Tensor? residual, str act, float slope, bool evaluate, bool from_output, "
+    "bool need_weight, bool need_bias, bool need_residual) -> (Tensor, Tensor, Tensor, Tensor)",
+    tags=_FLEXIBLE,
+)
+_lib.define(
+    "batchnorm_running_(Tensor(a!) running_mean, Tensor(b!) running_var, Tensor stats, "
+    "int n, float momentum) -> ()"
+)
+
+_FWD = "cupy_act::batchnorm_act"
+_BWD = "cupy_act::batchnorm_act_backward"
+_RUN = "cupy_act::batchnorm_running_"
+
+
+def _fail(fname: str, what: str) -> None:
+    raise ValueError(f"{fname}: {what}")
+
+
+def _check_x(fname: str, name: str, x) -> None:
+    if isinstance(x, Tensor) and x.device.type != "meta" and not _impl.on_gpu(x):
+        raise TypeError(f"{fname}: {name} is on {x.device}; the kernels take CUDA tensors")
+    if not isinstance(x, Tensor) or x.dim() != 4 or x.dtype not in _DTYPES:
+        got = f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
+        _fail(fname, f"{name} must be a 4-D float32 / float16 / bfloat16 tensor, got {got}")
+    if x.shape[1] > 65535:
+        _fail(fname, f"{name} has {x.shape[1]} channels; the kernels take at most 65535")
+
+
+def _check_channel(fname: str, name: str, t, x: Tensor) -> None:
+    """A per-channel float32 tensor of x's channels on x's device (or None)."""
+    if t is None:
+        return
+    c = x.shape[1]
+    if t.dtype != torch.float32 or t.device != x.device or tuple(t.shape) != (c,):
+        _fail(
+            fname,
+            f"{name} must be a float32 tensor of shape ({c},) on {x.device}, got "
+            f"{t.dtype} of shape {tuple(t.shape)} on {t.device}",
+        )
+
+
+def _check_like(fname: str, name: str, t, x: Tensor) -> None:
+    """A tensor of x's shape, dtype and device (or None)."""
+    if t is None:
+        return
+    if t.shape != x.shape or t.dtype != x.dtype or t.device != x.device:
+        _fail(
+            fname,
+            f"{name} has shape {tuple(t.shape)}, {t.dtype} on {t.device}; expected "
+            f"{tuple(x.shape)}, {x.dtype} on {x.device}",
+        )
+
+
+def _check_mode(fname: str, act: str, slope: float, from_output: bool) -> None:
+    if act not in _ACTS:
+        _fail(fname, f"act={act!r}; expected one of {_ACTS}")
+    if from_output and not (act in _bn.INVERTIBLE and (act != "leaky_relu" or slope > 0)):
+        _fail(fname, f"from_output needs an invertible activation, got {act} (slope {slope})")
+
+
+def _check_forward(x, weight, bias, residual, running_mean, running_var, act, slope,
+                   evaluate, from_output) -> None:  # fmt: skip
+    _check_x(_FWD, "x", x)
+    for name, t in (("weight", weight), ("bias", bias)):
+        _check_channel(_FWD, name, t, x)
+    _check_like(_FWD, "residual", residual, x)
+    _check_mode(_FWD, act, slope, from_output)
+    if evaluate:
+        if running_mean is None or running_var is None:
+            _fail(_FWD, "evaluate=True needs running_mean and running_var")
+        for name, t in (("running_mean", running_mean), ("running_var", running_var)):
+            _check_channel(_FWD, name, t, x)
+    elif x.numel() // max(x.shape[1], 1) <= 1:
+        raise ValueError(
+            f"{_FWD}: expected more than 1 value per channel when training, got input size "
+            f"{list(x.shape)}"
+        )
+
+
+def _outputs(x: Tensor, act: str, from_output: bool, grad: bool):
+    """(y, stats, mask) of the forward's sizes: y in the layout the kernels
+    walk x, the statistics of x's channels, the mask (empty where none)."""
+    y = torch.empty_like(_impl.arrange(x, _K.layout_of(x)))
+    stats = x.new_empty(_bn.stats_doubles(x.shape[1]), dtype=torch.float64)
+    words = _K.mask_words(x.numel()) if grad and not from_output and act != "identity" else 0
+    return y, stats, x.new_empty(words, dtype=torch.int32)
+
+
+def _forward_impl(x, weight, bias, residual, running_mean, running_var, eps, act, slope,
+                  evaluate, from_output, grad):  # fmt: skip
+    _check_forward(
+        x, weight, bias, residual, running_mean, running_var, act, slope, evaluate, from_output
+    )
+    cl = _K.layout_of(x)
+    x = _K.arranged(x, cl)
+    residual = _K.arranged(residual, cl)
+    weight, bias = _K.arranged(weight, False), _K.arranged(bias, False)
+    mode = _K.Mode(act, slope, evaluate, from_output, grad)
+    if x.numel() == 0:
+        return _outputs(x, act, from_output, grad)
+    mean, var = (running_mean, running_var) if evaluate else (None, None)
+    y, stats, mask, _ = _K.forward(
+        x, weight, bias, residual, mean, var, None, 0.0, eps, mode, split=True
+    )
+    if mask is None:
+        mask = x.new_empty(0, dtype=torch.int32)
+    return y, stats, mask
+
+
+def _forward_fake(x, weight, bias, residual, running_mean, running_var, eps, act, slope,
+                  evaluate, from_output, grad):  # fmt: skip
+    _check_forward(
+        x, weight, bias, residual, running_mean, running_var, act, slope, evaluate, from_output
+    )
+    return _outputs(x, act, from_output, grad)
+
+
+def _check_backward(src, dy, mask, weight, bias, stats, residual, act, slope, from_output):
+    _check_x(_BWD, "src", src)
+    _check_like(_BWD, "dy", dy, src)
+    for name, t in (("weight", weight), ("bias", bias)):
+        _check_channel(_BWD, name, t, src)
+    _check_mode(_BWD, act, slope, from_output)
+    c = src.shape[1]
+    if stats.dtype != torch.float64 or stats.numel() < _bn.stats_doubles(c):
+        _fail(_BWD, f"stats must be float64 with {_bn.stats_doubles(c)} elements for {c} channels")
+    if from_output:
+        _check_like(_BWD, "residual", residual, src)
+    elif act != "identity":
+        words = _K.mask_words(src.numel())
+        if mask.dtype != torch.int32 or mask.numel() < words:
+            _fail(_BWD, f"mask must be int32 with {words} words for {src.numel()} elements")
+    for t in (dy, mask, stats):
+        if t.device != src.device:
+            _fail(_BWD, f"every tensor must be on {src.device}, got one on {t.device}")
+
+
+def _grads_like(src: Tensor, need_weight: bool, need_bias: bool, need_residual: bool):
+    dx = torch.empty_like(_impl.arrange(src, _K.layout_of(src)))
+    c = src.shape[1]
+    gw = src.new_empty(c if need_weight else 0, dtype=torch.float32)
+    gb = src.new_empty(c if need_bias else 0, dtype=torch.float32)
+    gr = torch.empty_like(dx) if need_residual else src.new_empty(0)
+    return dx, gw, gb, gr
+
+
+def _backward_impl(src, dy, mask, weight, bias, stats, residual, act, slope, evaluate,
+                   from_output, need_weight, need_bias, need_residual):  # fmt: skip
+    _check_backward(src, dy, mask, weight, bias, stats, residual, act, slope, from_output)
+    if src.numel() == 0:
+        return _grads_like(src, need_weight, need_bias, need_residual)
+    cl = _K.layout_of(src)
+    src = _K.arranged(src, cl)
+    s = _K.shape_of(src, act, cl)
+    mode = _K.Mode(act, slope, evaluate, from_output, True)
+    dx, gw, gb, gr = _K.backward(
+        src, dy, mask if mask.numel() else None, _K.arranged(weight, False),
+        _K.arranged(bias, False), stats, residual, s, mode, need_weight, need_bias,
+        need_residual,
+    )  # fmt: skip
+    empty = src.new_empty(0, dtype=torch.float32)
+    return (
+        dx,
+        empty if gw is None else gw,
+        empty if gb is None else gb,
+        src.new_empty(0) if gr is None else gr,
+    )
+
+
+def _backward_fake(src, dy, mask, weight, bias, stats, residual, act, slope, evaluate,
+                   from_output, need_weight, need_bias, need_residual):  # fmt: skip
+    _check_backward(src, dy, mask, weight, bias, stats, residual, act, slope, from_output)
+    return _grads_like(src, need_weight, need_bias, need_residual)
+
+
+def _check_running(running_mean, running_var, stats, n: int) -> None:
+    c = running_mean.numel()
+    for name, t in (("running_mean", running_mean), ("running_var", running_var)):
+        if t.dtype != torch.float32 or t.dim() != 1 or t.numel() != c or not t.is_contiguous():
+            _fail(_RUN, f"{name} must be a dense float32 vector of {c} elements")
+    if running_var.device != running_mean.device or stats.device != running_mean.device:
+        _fail(_RUN, "running_mean, running_var and stats must be on one device")
+    if stats.dtype != torch.float64 or stats.numel() < _bn.stats_doubles(c):
+        _fail(_RUN, f"stats must be float64 with {_bn.stats_doubles(c)} elements for {c} channels")
+    if c == 0 or n % c or n // c <= 1:
+        _fail(_RUN, f"n={n} must be a multiple of the {c} channels, more than one value each")
+
+
+def _running_impl(running_mean, running_var, stats, n, momentum):
+    _check_running(running_mean, running_var, stats, n)
+    c = running_mean.numel()
+    s = _bn.shape(running_mean.device.index, "float32", "identity", False, n, 1, c)
+    _K.update_running(running_mean, running_var, stats, s, float(momentum))
+
+
+def _running_fake(running_mean, running_var, stats, n, momentum):
+    _check_running(running_mean, running_var, stats, n)
+
+
+# (CompositeExplicitAutograd: every backend reaches the checks, which name a
+# CPU tensor; no autograd kernel: see the module docstring)
+_lib.impl("batchnorm_act", _forward_impl, "CompositeExplicitAutograd")
+_lib.impl("batchnorm_act_backward", _backward_impl, "CompositeExplicitAutograd")
+_lib.impl("batchnorm_running_", _running_impl, "CompositeExplicitAutograd")
+torch.library.register_fake(_FWD, _forward_fake, lib=_lib)
+torch.library.register_fake(_BWD, _backward_fake, lib=_lib)
+torch.library.register_fake(_RUN, _running_fake, lib=_lib)
+
+
+class BatchNormActFunction(torch.autograd.Function):
+    """y = act(bn(x) [+ residual]) through ``cupy_act::batchnorm_act``; the
+    backward through ``cupy_act::batchnorm_act_backward``. Saves x and the
+    mask, or (``from_output``) y and the residual; the statistics either way.
+    For torch.compile, which traces both into its graphs."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, running_mean, running_var, eps, act, slope,
+                evaluate, from_output, grad):  # fmt: skip
+        y, stats, mask = torch.ops.cupy_act.batchnorm_act(
+            x, weight, bias, residual, running_mean, running_var, eps, act, slope, evaluate,
+            from_output, grad,
+        )  # fmt: skip
+        ctx.mark_non_differentiable(stats)
+        ctx.save_for_backward(y if from_output else x, weight, bias, stats, mask,
+                              residual if from_output else None)  # fmt: skip
+        ctx.args = (act, slope, evaluate, from_output)
+        return y, stats
+
+    @staticmethod
+    def backward(ctx, gy, gstats):
+        src, weight, bias, stats, mask, residual = ctx.saved_tensors
+        act, slope, evaluate, from_output = ctx.args
+        need = ctx.needs_input_grad
+        dx, gw, gb, gr = torch.ops.cupy_act.batchnorm_act_backward(
+            src, gy, mask, weight, bias, stats, residual, act, slope, evaluate, from_output,
+            need[1], need[2], need[3],
+        )  # fmt: skip
+        return (
+            dx if need[0] else None,
+            gw if need[1] else None,
+            gb if need[2] else None,
+            gr if need[3] else None,
+            *(None,) * 8,
+        )
+
+
+# ---- where compiled graphs call the op ----
+#
+# "inplace" (the default): the BatchNormAct2d in memory="inplace" whose input
+# is a convolution's output (the fusers mark them; a module built directly
+# counts as one): InPlace-ABN's saving exists only through the op, and there
+# it holds; the others traced, where Inductor's fused kernels measured faster
+# in a whole model (cspdarknet53, batch 32, H200, reduce-overhead: the op in
+# every default-mode module 1.11x compiled PyTorch's step, its BatchNorm
+# kernels 0.97x Inductor's but the model's copies around an opaque op
+# +1.8 ms; docs/batchnorm.md). "after_conv": every module whose input is a
+# convolution's output, either mode; "everywhere": every module the op takes;
+# "traced": none (PyTorch's operations, as before the op existed).
+POLICIES = ("inplace", "after_conv", "everywhere", "traced")
+POLICY = "inplace"
+
+
+def set_compiled_batchnorm(policy: str) -> str:
+    """Choose where ``BatchNormAct2d`` runs cupy_act's kernels under
+    ``torch.compile``; returns the previous choice. Dynamo recompiles on a
+    change.
+
+    - ``"inplace"`` (the default): modules with ``memory="inplace"`` whose
+      input is a convolution's output; the rest as PyTorch's operations,
+      which Inductor fuses.
+    - ``"after_conv"``: every module whose input is a convolution's output.
+    - ``"everywhere"``: every module the kernels take.
+    - ``"traced"``: none.
+    """
+    global POLICY
+    if policy not in POLICIES:
+        raise ValueError(f"set_compiled_batchnorm: policy={policy!r}; expected one of {POLICIES}")
+    previous, POLICY = POLICY, policy
+    return previous
+
+
+def takes(after_conv: bool | None, memory: str) -> bool:
+    """Whether the policy puts the op at a module (``after_conv``: the fusers'
+    mark, None where unknown; ``memory``: its memory mode)."""
+    if POLICY == "traced":
+        return False
+    if POLICY == "everywhere":
+        return True
+    return after_conv is not False and (POLICY == "after_conv" or memory == "inplace")

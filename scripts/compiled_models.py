@@ -1,0 +1,361 @@
+"""Train CNNs with cupy_act's fused BatchNorm + activation, eager and under torch.compile.
+
+    PYTHONPATH=. python scripts/compiled_models.py [--models cspdarknet53 resnet50]
+        [--batches 32] [--precisions fp32 bf16cl] [--modes eager default reduce-overhead]
+        [--variants pytorch ours ours-inplace ours-traced] [--steps 6] [--rounds 5]
+        [--loss-steps 20] [--no-peaks] [--profile] [--policy after_conv] [--json F]
+    PYTHONPATH=. python scripts/compiled_models.py --block [--rounds 20]
+
+Variants: ``pytorch`` (the model as its package builds it), ``ours``
+(``fuse_batchnorm_act``, or ``fuse_batchnorm_act_fx`` where that fuses
+nothing, as for torchvision's ResNets, whose residual tails it fuses too;
+then ``replace_activations``), ``ours-inplace`` (the same with
+``memory="inplace"``), ``ours-traced`` (``ours`` with
+``set_compiled_batchnorm("traced")``: PyTorch's operations under compile),
+each eager (``eager``) or ``torch.compile``'d (``default``,
+``reduce-overhead``: CUDA graphs). Precisions: ``fp32`` (float32, NCHW) and
+``bf16cl`` (bfloat16 autocast, channels-last model and input: timm's ``--amp
+--channels-last``). SGD with momentum, ``cudnn.benchmark=True``, every
+variant from the same weights on the same batches.
+
+Printed per model, batch and precision: the step time (median over
+--rounds blocks of --steps steps, variants interleaved block by block) and
+its ratio to PyTorch's in the same mode; the peak memory of steps 2-4 above
+what was allocated after step 1 (so a CUDA-graph pool recorded there counts),
+each compiled variant's in a process of its own (CUDA-graph trees share one
+pool per device), from a second instance whose steps record its graphs
+(``peak_of_fresh_instance``); the largest relative difference of --loss-steps losses
+from eager PyTorch's, beside eager PyTorch's own float32 noise (its losses in
+the other layout). ``--profile``: device ms per step by kind of kernel
+(BatchNorm forward and backward: ours against Inductor's).
+
+``--block``: the seed block (conv 8 -> 64 3x3 on 128 x 8 x 128 x 128, / 2,
+LeakyReLU 0.01; x needs no gradient) through ``conv2d_div_leaky_relu``:
+"fused" eager against "fused" under ``torch.compile`` (default mode), the
+forward (no grad) and forward + backward, CUDA-event medians, interleaved;
+and "auto" compiled against every candidate compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import cupy_act.torch as ct
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import measure  # noqa: E402  (scripts/measure.py)
+import models  # noqa: E402  (build, batches, the peak and pool helpers)
+
+MODES = {"eager": None, "default": "default", "reduce-overhead": "reduce-overhead"}
+VARIANTS = ("pytorch", "ours", "ours-inplace", "ours-traced")
+PRECISIONS = ("fp32", "bf16cl")
+DEFAULT_BATCHES = {"cspdarknet53": [32, 64], "resnet50": [32, 128]}
+
+
+def prepare(eager, variant: str, precision: str, device):
+    """The variant's model (a copy of ``eager``'s weights)."""
+    model = copy.deepcopy(eager).to(device)
+    if variant != "pytorch":
+        memory = "inplace" if variant == "ours-inplace" else "default"
+        model, count = ct.fuse_batchnorm_act(model, memory=memory)
+        if count == 0:  # (torchvision's blocks: pairs only their call graph shows)
+            model, count = ct.fuse_batchnorm_act_fx(model, memory=memory)
+        ct.replace_activations(model)
+    if precision == "bf16cl":
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+class Run:
+    """One variant in one mode: model, optimizer, step."""
+
+    def __init__(self, eager, variant, mode, precision, device, classes, policy):
+        model = prepare(eager, variant, precision, device)
+        self.policy = "traced" if variant == "ours-traced" else policy
+        self.graphs = mode == "reduce-overhead"
+        self.fn = model if MODES[mode] is None else torch.compile(model, mode=MODES[mode])
+        self.opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        self.bf16 = precision == "bf16cl"
+        self.classes = classes
+
+    def step(self, x, t):
+        ct.set_compiled_batchnorm(self.policy)  # (Dynamo guards on it)
+        if self.graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        self.opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", torch.bfloat16, enabled=self.bf16):
+            out = self.fn(x)
+        loss = F.cross_entropy(out.float().reshape(-1, self.classes), t.reshape(-1))
+        loss.backward()
+        self.opt.step()
+        return loss.detach().clone()
+
+    def block_ms(self, data) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        models.sync()
+        start.record()
+        for x, t in data:
+            self.step(x, t)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / len(data)
+
+
+def data_for(shape, classes, batch, precision, steps, device):
+    g = torch.Generator(device=device).manual_seed(batch)
+    fmt = torch.channels_last if precision == "bf16cl" else torch.contiguous_format
+    return [
+        (
+            torch.randn(batch, *shape, device=device, generator=g).contiguous(memory_format=fmt),
+            torch.randint(0, classes, (batch,), device=device, generator=g),
+        )
+        for _ in range(steps)
+    ]
+
+
+def peak_after_first_step(run: Run, data) -> float:
+    """MiB above what was allocated after step 1, over steps 2-4."""
+    run.step(*data[0])
+    models.sync()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    for x, t in (data * 4)[1:4]:
+        run.step(x, t)
+    models.sync()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def peak_of_fresh_instance(make, data) -> float:
+    """A compiled variant's peak: a first instance compiles, warms up and
+    settles cuDNN's algorithm search; a second (``make()`` again: Dynamo
+    recompiles from Inductor's caches) records its CUDA graphs during its
+    steps, whose peak above what was allocated before them counts, less the
+    optimizer's momentum buffers that its first step creates (a replay
+    allocates nothing: measured over the steps that record)."""
+    first = make()
+    for x, t in data[:3]:
+        first.step(x, t)
+    first = None
+    models.sync()
+    torch.cuda.empty_cache()
+    run = make()
+    momentum = sum(p.numel() * p.element_size() for p in run.opt.param_groups[0]["params"])
+    models.sync()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    for x, t in (data * 4)[:4]:
+        run.step(x, t)
+    models.sync()
+    return (torch.cuda.max_memory_allocated() - base - momentum) / 2**20
+
+
+def peak_in_own_process(args, name, batch, precision, variant, mode) -> float:
+    """peak_after_first_step in a fresh process (one compiled function, one pool)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--peak-of", name, str(batch), precision,
+           variant, mode, "--policy", args.policy]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    for line in out.stdout.splitlines():
+        if line.startswith("PEAK "):
+            return float(line.split()[1])
+    print(f"  ({variant} {mode}: no peak: {out.stderr.strip()[-300:]})")
+    return float("nan")
+
+
+def losses_of(run: Run, data, steps: int) -> torch.Tensor:
+    return torch.stack([run.step(*data[i % len(data)]) for i in range(steps)])
+
+
+def measure_config(args, name, built, batch, precision) -> dict:
+    eager, shape, classes, _ = built
+    device = torch.device("cuda")
+    data = data_for(shape, classes, batch, precision, args.steps, device)
+    row = {"model": name, "batch": batch, "precision": precision}
+    keys = [(v, m) for m in args.modes for v in args.variants if not (m == "eager" and
+            v == "ours-traced")]  # fmt: skip
+    # eager PyTorch's losses, and its float32 noise: the same model in the other layout
+    ref = losses_of(Run(eager, "pytorch", "eager", precision, device, classes, args.policy),
+                    data, args.loss_steps)  # fmt: skip
+    other = "fp32" if precision == "bf16cl" else "bf16cl"
+    noise_run = Run(eager, "pytorch", "eager", precision, device, classes, args.policy)
+    noise_run.fn.to(memory_format=torch.contiguous_format if other == "fp32" else
+                    torch.channels_last)  # fmt: skip
+    noise = losses_of(noise_run, data, args.loss_steps)
+    row["noise"] = ((noise - ref).abs() / ref.abs()).max().item()
+    noise_run = None
+    runs = {}
+    for key in keys:
+        try:
+            run = Run(eager, *key, precision, device, classes, args.policy)
+            lo = losses_of(run, data, args.loss_steps)  # (compiles)
+            row[f"{key[0]}/{key[1]} loss diff"] = ((lo - ref).abs() / ref.abs()).max().item()
+            runs[key] = run
+        except Exception as e:  # a compiler failure costs its column, not the table
+            print(f"  {name} {batch} {precision} {key}: {type(e).__name__}: {str(e)[:400]}")
+    for r in runs.values():
+        r.block_ms(data)  # (warm-up: CUDA graphs recorded)
+    times = {k: [] for k in runs}
+    for _ in range(args.rounds):
+        for k, r in runs.items():
+            times[k].append(r.block_ms(data))
+    for (v, m), t in times.items():
+        row[f"{v}/{m} ms"] = statistics.median(t)
+        row[f"{v}/{m} spread"] = (max(t) - min(t)) / statistics.median(t)
+    if args.profile:
+        for (v, m), r in runs.items():
+            row[f"{v}/{m} profile"] = measure.profile(lambda r=r: r.step(*data[0]))
+    runs = None
+    models._fresh()
+    if not args.no_peaks:
+        for v, m in keys:
+            if m == "eager":
+                run = Run(eager, v, m, precision, device, classes, args.policy)
+                row[f"{v}/{m} MiB"] = peak_after_first_step(run, data)
+                run = None
+                models._fresh()
+            else:
+                row[f"{v}/{m} MiB"] = peak_in_own_process(args, name, batch, precision, v, m)
+    return row
+
+
+def print_row(row, args) -> None:
+    print(f"\n{row['model']} batch {row['batch']} {row['precision']} (eager PyTorch's own "
+          f"loss noise {row['noise']:.1e})")  # fmt: skip
+    print(f"    {'variant':26s} {'step ms':>8s} {'x PyTorch':>9s} {'spread':>7s} {'peak MiB':>9s}"
+          f" {'x PyTorch':>9s} {'loss diff':>9s}")  # fmt: skip
+    for m in args.modes:
+        base = row.get(f"pytorch/{m} ms")
+        mem = row.get(f"pytorch/{m} MiB")
+        for v in args.variants:
+            k = f"{v}/{m}"
+            if f"{k} ms" not in row:
+                continue
+            ms, mib = row[f"{k} ms"], row.get(f"{k} MiB", float("nan"))
+            print(
+                f"    {k:26s} {ms:8.2f} {ms / base if base else float('nan'):9.3f}"
+                f" {row[f'{k} spread']:7.1%} {mib:9.0f}"
+                f" {mib / mem if mem else float('nan'):9.3f} {row[f'{k} loss diff']:9.1e}"
+            )
+            if f"{k} profile" in row:
+                p = row[f"{k} profile"]
+                top = ", ".join(f"{n[:40]} {ms:.2f}" for n, ms in p["top other"][:4])
+                print(
+                    f"        BN fwd {p['BN fwd']:.2f} + bwd {p['BN bwd']:.2f} ms, convolution "
+                    f"{p['convolution']:.2f}, other {p['other']:.2f}, total {p['total']:.2f}; "
+                    f"largest other: {top}"
+                )
+
+
+def measure_block(args) -> None:
+    """The seed block's rows and targets (``--block``)."""
+    from cupy_act import testing
+    from cupy_act.torch import _conv_auto
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(128, 8, 128, 128, device="cuda", generator=gen)
+    w = (torch.randn(64, 8, 3, 3, device="cuda", generator=gen) * 0.1).requires_grad_()
+    b = torch.randn(64, device="cuda", generator=gen).requires_grad_()
+    gy = torch.randn(128, 64, 126, 126, device="cuda", generator=gen)
+    names = ("auto", *_conv_auto.candidates(torch.float32, False))
+
+    def block(algorithm):
+        return lambda t: ct.conv2d_div_leaky_relu(t, w, b, 2.0, 0.01, algorithm=algorithm)
+
+    def forward(fn):
+        def run():
+            with torch.no_grad():
+                fn(x)
+
+        return run
+
+    def train(fn):
+        def run():
+            w.grad = b.grad = None
+            fn(x).backward(gy)
+
+        return run
+
+    fns = {"fused eager": block("fused")}
+    fns |= {f"{a} compiled": torch.compile(block(a)) for a in names}
+    rows = {}
+    for what, make in (("forward", forward), ("fwd+bwd", train)):
+        runs = {k: make(f) for k, f in fns.items()}
+        for run in runs.values():
+            run()  # (compiles; "auto" measures its candidates, eager's own way)
+        rows[what] = testing.interleaved_median_ms(runs, rounds=args.rounds)
+    print("\nseed block (128 x 8 x 128 x 128 -> 64, 3x3), CUDA-event ms")
+    targets = []
+    for what, t in rows.items():
+        best = min(t[f"{a} compiled"] for a in names[1:])
+        for k, ms in t.items():
+            print(f"    {what:8s} {k:26s} {ms:7.3f}  {ms / t['fused eager']:5.3f}x fused eager")
+        fused = t["fused compiled"] / t["fused eager"]
+        targets.append(measure.target(f"{what}: fused compiled / eager", fused, "<= 1.05x"))
+        auto = t["auto compiled"] / best
+        targets.append(measure.target(f"{what}: auto compiled / best compiled", auto, "<= 1.03x"))
+    print(f"    auto picked: {sorted(set(_conv_auto.auto_choices().values()))}")
+    measure.print_targets(targets)
+
+
+def peak_only(args) -> None:
+    name, batch, precision, variant, mode = args.peak_of
+    models.allow_recompiles()
+    torch.backends.cudnn.benchmark = True
+    built = models.build(name)
+    eager, shape, classes, _ = built
+    device = torch.device("cuda")
+    data = data_for(shape, classes, int(batch), precision, 4, device)
+    make = lambda: Run(eager, variant, mode, precision, device, classes, args.policy)  # noqa: E731
+    print(f"PEAK {peak_of_fresh_instance(make, data)}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["cspdarknet53", "resnet50"])
+    ap.add_argument("--batches", nargs="*", type=int, help="default: 32 64 / 32 128")
+    ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16cl"], choices=PRECISIONS)
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS[:3]), choices=VARIANTS)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--loss-steps", type=int, default=20)
+    ap.add_argument("--no-peaks", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--policy", default="after_conv", choices=ct.batchnorm._bn_ops.POLICIES)
+    ap.add_argument("--block", action="store_true", help="the seed block's rows instead")
+    ap.add_argument("--peak-of", nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args()
+    measure.require_gpu("compiled_models.py")
+    if args.peak_of:
+        return peak_only(args)
+    if args.block:
+        print(measure.header(measure.environment()))
+        return measure_block(args)
+    models.allow_recompiles()
+    torch.backends.cudnn.benchmark = True
+    print(measure.header(measure.environment()))
+    rows = []
+    for name in args.models:
+        built = models.build(name)
+        if built is None:
+            continue
+        for batch in args.batches or DEFAULT_BATCHES.get(name, [32]):
+            for precision in args.precisions:
+                rows.append(measure_config(args, name, built, batch, precision))
+                print_row(rows[-1], args)
+                if args.json:
+                    with open(args.json, "w") as f:
+                        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
