@@ -464,7 +464,8 @@ __global__ void __launch_bounds__(kBnThreads) bn_forward(const BnParams p) {
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         if (CL && j > 0) q = p.coef[c + j];
-        const float t = (v[j] - q.x) * q.y + q.z + r[j];
+        float t = (v[j] - q.x) * q.y + q.z;
+        if (p.residual != nullptr) t += r[j];  // (not + 0 without one: -0 stays -0)
         bits |= (u32)bn_bit<A>(t) << j;
         v[j] = bn_act<A>(t, p.slope);
       }

@@ -129,7 +129,6 @@ def _training_step(call, x, weight, bias, divisor, slope, stride, padding, dilat
     return step
 
 
-@torch.compiler.assume_constant_result
 def _compiled_choice(call, x_shape, dtype, device, channels_last, w_shape, with_bias, divisor,
                      slope, stride, padding, dilation, allow_tf32, grads) -> str:  # fmt: skip
     """What eager "auto" picks for a call of this kind, run by Dynamo as plain
@@ -164,6 +163,13 @@ def _compiled_choice(call, x_shape, dtype, device, channels_last, w_shape, with_
     # (where torch has no such flag and nothing is cached: the fused kernel,
     # which the compiled graph then runs if it applies, else "exact")
     return _choices.get(key, "fused")
+
+
+# torch.compiler.assume_constant_result(_compiled_choice), as that function
+# does it: the decorator itself imports torch._dynamo (seconds at import, and
+# an import that fails where a private torch API it reaches for is missing),
+# and sets only this mark. tests/test_conv_compiled.py sees it work.
+_compiled_choice._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def auto_choices() -> dict[tuple, str]:

@@ -250,11 +250,7 @@ def _fused_tensors(m: BatchNormAct2d, x: torch.Tensor) -> _Tensors | None:
         return None
     t = _tensors(m)
     c = x.shape[1]
-    # the running statistics F.batch_norm is given (updated or used), as
-    # nn.BatchNorm2d.forward decides
-    passed = not m.training or m.track_running_stats
-    mean, var = (t.running_mean, t.running_var) if passed else (None, None)
-    _check_channels(c, m.training, mean, var, t.weight, t.bias)
+    mean, var = _statistics_passed(m, t, c)
     if not _kernel_tensors(x, t, mean, var, m.training and m.track_running_stats):
         return None
     per_channel = x.numel() // max(c, 1)
@@ -264,6 +260,21 @@ def _fused_tensors(m: BatchNormAct2d, x: torch.Tensor) -> _Tensors | None:
     if x.is_contiguous() or (FUSED_CHANNELS_LAST and _impl.is_channels_last(x)):
         return t
     return None
+
+
+def _statistics_passed(m: BatchNormAct2d, t: _Tensors, c: int) -> tuple:
+    """(running_mean, running_var) as F.batch_norm is given them (updated or
+    used; None where not), as nn.BatchNorm2d.forward decides, checked against
+    the ``c`` channels with the parameters (``_check_channels``)."""
+    passed = not m.training or m.track_running_stats
+    mean, var = (t.running_mean, t.running_var) if passed else (None, None)
+    _check_channels(c, m.training, mean, var, t.weight, t.bias)
+    return mean, var
+
+
+def _like(r: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether r has x's shape, dtype and device."""
+    return r.shape == x.shape and r.dtype == x.dtype and r.device == x.device
 
 
 def _check_channels(c: int, training: bool, mean, var, weight, bias) -> None:
@@ -311,15 +322,11 @@ def _compiled_forward(m: BatchNormAct2d, x: torch.Tensor, residual) -> torch.Ten
         return None
     if x.dtype not in _FUSED_DTYPES or x.shape[1] > 65535:
         return None
-    if residual is not None and not (
-        residual.shape == x.shape and residual.dtype == x.dtype and residual.device == x.device
-    ):
+    if residual is not None and not _like(residual, x):
         return None
     t = _tensors(m)
     c = x.shape[1]
-    passed = not m.training or m.track_running_stats
-    mean, var = (t.running_mean, t.running_var) if passed else (None, None)
-    _check_channels(c, m.training, mean, var, t.weight, t.bias)
+    mean, var = _statistics_passed(m, t, c)
     batch = _batch_statistics(m, t.running_mean)
     update = m.training and m.track_running_stats and mean is not None
     if not _kernel_tensors(x, t, mean, var, False) or (update and m.momentum is None):
@@ -348,7 +355,7 @@ def _residual_fits(m: BatchNormAct2d, x: torch.Tensor, residual) -> bool:
     (broadcasting, or raising, as ``out += residual`` would)."""
     if residual is None:
         return True
-    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+    if not _like(residual, x):
         return False
     if m.memory == "inplace":
         return residual.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()

@@ -158,10 +158,11 @@ def fuse_batchnorm_act_fx(
         if calls[node.target] != 1 or user is None or (act is None and tail is None):
             unfused.append(node.target)
             continue
+        pair = act if act is not None else tail[3]  # type: ignore[index]
         fresh = _fresh_conv_output(node, modules)
-        mode = bn._mode_for(module, act or tail[3], memory, fresh, kept, node.target)
+        mode = bn._mode_for(module, pair, memory, fresh, kept, node.target)
         parent, _, name = node.target.rpartition(".")
-        fused = bn._fused(module, *(act or tail[3]), mode, _reads_conv(node, modules))
+        fused = bn._fused(module, pair[0], pair[1], mode, _reads_conv(node, modules))
         setattr(gm.get_submodule(parent), name, fused)
         if tail is None:
             user.replace_all_uses_with(node)
