@@ -4,7 +4,8 @@ The module is ``nn.BatchNorm2d`` (its constructor arguments, parameters,
 buffers and ``state_dict``, its running-statistics semantics: momentum or a
 cumulative average, ``num_batches_tracked``, eval with or without tracked
 statistics) with ReLU, LeakyReLU or identity applied to the normalized output,
-as timm's ``BatchNormAct2d`` does.
+as timm's ``BatchNormAct2d`` does, optionally after adding a residual
+(``forward(input, residual)``, a residual block's tail).
 
 On a dense CUDA tensor (NCHW or channels-last, float32 / float16 / bfloat16,
 float32 parameters) it runs ``FusedBatchNormAct``, cupy_act's kernels
@@ -15,11 +16,14 @@ pass from the running statistics. ``memory="inplace"`` writes y over x and
 keeps only y for the backward (InPlace-ABN). Accurate to float32 (errors
 against float64 within twice eager PyTorch's; docs/batchnorm.md), not
 bit-equal to PyTorch's kernels, whose reduction order is theirs;
-deterministic. Everywhere else (CPU, float64, other strides, torch.compile,
+deterministic. Under torch.compile the same kernels run as ``torch.library``
+ops where ``set_compiled_batchnorm``'s policy puts them (``_bn_ops``; by
+default the in-place mode's modules), and elsewhere PyTorch's operations are
+traced, which Inductor fuses. Everywhere else (CPU, float64, other strides,
 torch.func, forward-mode AD) the normalization is PyTorch's own
-(``nn.BatchNorm2d.forward``) and the activation cupy_act's, in place on the
-normalization's fresh output: bit for bit PyTorch's pair. Under
-torch.compile both trace into PyTorch operations, which Inductor fuses.
+(``nn.BatchNorm2d.forward``), then the residual's addition (PyTorch's) and
+the activation cupy_act's, in place on the normalization's fresh output: bit
+for bit PyTorch's BatchNorm, addition and activation.
 
 ``fuse_batchnorm_act`` swaps timm's ``BatchNormAct2d`` and ``nn.Sequential``
 BatchNorm -> ReLU / LeakyReLU pairs for it.
