@@ -30,25 +30,13 @@ def _ptr(t) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _nbytes(t) -> int:
-    """Bytes of a dense tensor (0 for None): what a kernel may index from its address."""
-    return 0 if t is None else t.numel() * t.element_size()
-
-
-_CONTIGUOUS = torch.contiguous_format
-
-
-def layout_of(x: torch.Tensor) -> bool:
-    """Whether the kernels walk x channels-last (dense so), else C order."""
-    return _impl.is_channels_last(x)
+_nbytes = _impl.nbytes
+layout_of = _impl.is_channels_last  # (the kernels walk x channels-last where it is dense so)
 
 
 def arranged(t, channels_last: bool):
-    """t dense in the given memory order (None stays None)."""
-    if t is None:
-        return None
-    fmt = torch.channels_last if channels_last else _CONTIGUOUS
-    return t if t.is_contiguous(memory_format=fmt) else t.contiguous(memory_format=fmt)
+    """``_impl.arrange``, None staying None."""
+    return None if t is None else _impl.arrange(t, channels_last)
 
 
 def shape_of(x: torch.Tensor, act: str, channels_last: bool) -> _bn.Shape:

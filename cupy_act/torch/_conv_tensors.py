@@ -50,9 +50,7 @@ def _operands(x: Tensor, weight: Tensor, bias, g):
     return x, w, b, y, cl
 
 
-def _nbytes(t) -> int:
-    """Bytes of a dense tensor (0 for None): what a kernel may index from its address."""
-    return 0 if t is None else t.numel() * t.element_size()
+_nbytes = _impl.nbytes
 
 
 class _Kept(NamedTuple):

@@ -69,6 +69,11 @@ def needs_grad(x: torch.Tensor, bias) -> bool:
     )
 
 
+def nbytes(t) -> int:
+    """Bytes of a dense tensor (0 for None): what a kernel may index from its address."""
+    return 0 if t is None else t.numel() * t.element_size()
+
+
 def arrange(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
     """x in the memory order the kernels walk: C order, or channels-last."""
     if channels_last:
