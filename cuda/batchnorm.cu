@@ -14,6 +14,10 @@
 //                      bn_backward<T, CL, V, A, Out> dx = (dz - mean(dz) - xhat * mean(dz xhat)) * invstd * w
 //   running statistics: bn_update_running            from a training forward's moments (the
 //                                                    compiled route's separate, mutating op)
+//   synchronized (SyncBatchNorm, kSums): bn_reduce (and bn_finalize) write each channel's
+//                      sums (and the count) instead of finishing; the host all-reduces them
+//                      across processes; bn_finish_sums<P> then finishes every channel from
+//                      the totals, and bn_forward / bn_backward run as above
 //
 // With a residual r (apex's bn_add_relu): y = act(bn(x) + r), the mask taken on
 // bn(x) + r, and the backward also writes dr = dz.
@@ -50,7 +54,7 @@ namespace cupy_act {
 constexpr int kBnThreads = 256;
 enum BnAct { kIdentity = 0, kRelu = 1, kLeaky = 2 };
 enum BnPass { kStats = 0, kGrad = 1, kGradFromOutput = 2 };
-enum BnFlags { kEval = 1, kFromOutput = 2 };
+enum BnFlags { kEval = 1, kFromOutput = 2, kSums = 4 };
 
 struct BnParams {
   const void* x;          // forward: input; backward: the forward's input, or its output (kFromOutput)
@@ -61,7 +65,7 @@ struct BnParams {
   const float* bias;      // [C] or null (0)
   float* mean;            // [C] batch (or running) mean: written forward, read backward
   float* invstd;          // [C] 1 / sqrt(var + eps)
-  double* partial;        // [C][splits][2]
+  double* partial;        // [C][splits][2]; bn_finish_sums: [C][2] totals (+ the count: kStats)
   float* running_mean;    // [C] or null: updated by a training forward
   float* running_var;     // [C] or null
   float* grad_weight;     // [C] or null
@@ -72,8 +76,9 @@ struct BnParams {
   u32* arrivals;          // [C] (NCHW reductions): zero at launch, and again at exit
   const void* residual;   // or null: added before the activation, y = act(bn(x) + residual)
   void* grad_residual;    // or null: the backward writes dz (the residual's gradient) here
-  double* moments;        // [C][2] or null: a training forward's batch mean and biased
-                          // variance, for bn_update_running
+  double* moments;        // [C][2] or null: the forward's mean and biased variance (for
+                          // bn_update_running), then [2C] the count, [2C + 1] a pad;
+                          // kSums: where the local sums go
   long long n;            // elements
   long long inner;        // H x W
   long long channels;
@@ -260,25 +265,39 @@ __device__ __forceinline__ void bn_set_stats(const BnParams& p, long long c, dou
 // single value per channel). One function for bn_finish_stats and
 // bn_update_running, so that both round alike.
 __device__ __forceinline__ void bn_running(const BnParams& p, long long c, double mean,
-                                           double var) {
-  const double count = (double)(p.n / p.channels);
+                                           double var, double count) {
   const double m = p.momentum;
   p.running_mean[c] = (float)((1.0 - m) * p.running_mean[c] + m * mean);
   p.running_var[c] = (float)((1.0 - m) * p.running_var[c] + m * var * count / (count - 1.0));
 }
 
-// One thread: channel c's statistics from its sums, and the running statistics' update.
+// Values per channel in this launch's x (a synchronized pass passes the group's).
+__device__ __forceinline__ double bn_count(const BnParams& p) {
+  return (double)(p.n / p.channels);
+}
+
+// After the moments: the count they were taken over (a synchronized backward
+// reads the group's there) and a pad, zeroed: every byte of the statistics is the call's.
+__device__ __forceinline__ void bn_set_count(const BnParams& p, long long c, double count) {
+  if (c == 0) {
+    p.moments[2 * p.channels] = count;
+    p.moments[2 * p.channels + 1] = 0.0;
+  }
+}
+
+// One thread: channel c's statistics from its sums over count values, and the
+// running statistics' update.
 __device__ __forceinline__ void bn_finish_stats(const BnParams& p, long long c, double sum,
-                                                double sumsq) {
+                                                double sumsq, double count) {
   if (p.num_batches != nullptr && c == 0) *p.num_batches += 1;
-  const double count = (double)(p.n / p.channels);
   const double mean = sum / count;
   double var = sumsq / count - mean * mean;  // biased: what normalizes
   if (var < 0.0) var = 0.0;
-  if (p.running_mean != nullptr) bn_running(p, c, mean, var);
+  if (p.running_mean != nullptr) bn_running(p, c, mean, var, count);
   if (p.moments != nullptr) {
     p.moments[2 * c] = mean;
     p.moments[2 * c + 1] = var;
+    bn_set_count(p, c, count);
   }
   bn_set_stats(p, c, mean, var);
 }
@@ -290,7 +309,7 @@ __device__ __forceinline__ void bn_finish_stats(const BnParams& p, long long c, 
 // (xhat = (v - ctr) * invstd, or (v - ctr) / w); kEval: g = h = 0, the running
 // statistics being constants.
 __device__ __forceinline__ void bn_finish_grad(const BnParams& p, long long c, double sum_dz,
-                                               double sum_dzx) {
+                                               double sum_dzx, double count) {
   if (p.grad_bias != nullptr) p.grad_bias[c] = (float)sum_dz;
   if (p.grad_weight != nullptr) p.grad_weight[c] = (float)sum_dzx;
   const bool out = p.flags & kFromOutput;
@@ -300,23 +319,41 @@ __device__ __forceinline__ void bn_finish_grad(const BnParams& p, long long c, d
   // (w = 0 from the output: xhat is lost and sum dz * xhat NaN, but dx = k * (...)
   // is 0; g = 0 keeps it so)
   if (!(p.flags & kEval) && !(out && k == 0.0)) {
-    const double count = (double)(p.n / p.channels);
     g = invstd * (sum_dzx / count) * (out ? 1.0 : k);
     h = (sum_dz / count) * k;
   }
   p.coef[c] = make_float4(ctr, (float)k, (float)g, (float)h);
 }
 
-// The block: channel c's partial sums, then its statistics (kStats) or gradients.
+// kSums (one process of a synchronized BatchNorm): channel c's local sums into
+// p.moments, for the host to all-reduce; the forward adds the count (values
+// per channel here), the backward writes grad_bias and grad_weight from the
+// local sums, as PyTorch's SyncBatchNorm does (data parallelism averages them).
+template <int P>
+__device__ __forceinline__ void bn_local_sums(const BnParams& p, long long c, double a, double b) {
+  p.moments[2 * c] = a;
+  p.moments[2 * c + 1] = b;
+  if (P == kStats) {
+    if (c == 0) p.moments[2 * p.channels] = bn_count(p);
+  } else {
+    if (p.grad_bias != nullptr) p.grad_bias[c] = (float)a;
+    if (p.grad_weight != nullptr) p.grad_weight[c] = (float)b;
+  }
+}
+
+// The block: channel c's partial sums, then its statistics (kStats) or
+// gradients, or (kSums) its local sums.
 template <int P>
 __device__ __forceinline__ void bn_finish(const BnParams& p, long long c, double* s1, double* s2) {
   double a, b;
   bn_sum_partials(p, c, s1, s2, a, b);
   if (threadIdx.x == 0) {
-    if (P == kStats)
-      bn_finish_stats(p, c, a, b);
+    if (p.flags & kSums)
+      bn_local_sums<P>(p, c, a, b);
+    else if (P == kStats)
+      bn_finish_stats(p, c, a, b, bn_count(p));
     else
-      bn_finish_grad(p, c, a, b);
+      bn_finish_grad(p, c, a, b, bn_count(p));
   }
 }
 
@@ -431,6 +468,7 @@ __global__ void __launch_bounds__(kBnThreads) bn_finalize_eval(const BnParams p)
   if (p.moments != nullptr) {  // (the statistics used, for the compiled op's output)
     p.moments[2 * c] = p.running_mean[c];
     p.moments[2 * c + 1] = p.running_var[c];
+    bn_set_count(p, c, bn_count(p));
   }
 }
 
@@ -438,7 +476,24 @@ __global__ void __launch_bounds__(kBnThreads) bn_finalize_eval(const BnParams p)
 // channel (torch.compile: the forward is a functional op, this the mutating one).
 __global__ void __launch_bounds__(kBnThreads) bn_update_running(const BnParams p) {
   const long long c = (long long)blockIdx.x * kBnThreads + threadIdx.x;
-  if (c < p.channels) bn_running(p, c, p.moments[2 * c], p.moments[2 * c + 1]);
+  if (c < p.channels) bn_running(p, c, p.moments[2 * c], p.moments[2 * c + 1], bn_count(p));
+}
+
+// Synchronized: every channel finished from the process group's totals in
+// p.partial ([C][2], all-reduced kSums output), a thread per channel. kStats:
+// the count is the totals' [2C], kept after the moments (bn_set_count) for
+// the backward, whose count it is (kGrad); grad_bias and grad_weight came
+// from the local sums (p.grad_* null here).
+template <int P>
+__global__ void __launch_bounds__(kBnThreads) bn_finish_sums(const BnParams p) {
+  const long long c = (long long)blockIdx.x * kBnThreads + threadIdx.x;
+  if (c >= p.channels) return;
+  const double a = p.partial[2 * c], b = p.partial[2 * c + 1];
+  if (P == kStats) {
+    bn_finish_stats(p, c, a, b, p.partial[2 * p.channels]);
+  } else {
+    bn_finish_grad(p, c, a, b, p.moments[2 * p.channels]);
+  }
 }
 
 // Each warp takes 32 consecutive vectors per trip; the G = 32 / V lanes that

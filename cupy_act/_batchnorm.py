@@ -20,7 +20,7 @@ THREADS = 256  # kBnThreads
 DTYPES = ("float32", "float16", "bfloat16")
 ACTS = {"identity": 0, "relu": 1, "leaky_relu": 2}  # BnAct
 STATS, GRAD, GRAD_FROM_OUTPUT = 0, 1, 2  # BnPass
-EVAL, FROM_OUTPUT = 1, 2  # BnFlags
+EVAL, FROM_OUTPUT, SUMS = 1, 2, 4  # BnFlags
 # Elements per 16-byte vector (bn_load's V where the layout and alignment allow).
 VECTOR = {"float32": 4, "float16": 8, "bfloat16": 8}
 # Activations whose input the output determines (the in-place mode's backward).
@@ -45,8 +45,10 @@ def _names(dtype: str) -> list[str]:
                 if act in INVERTIBLE:
                     names.append(f"cupy_act::bn_reduce<{t}, {cl}, {v}, {GRAD_FROM_OUTPUT}, {a}>")
                     names.append(f"cupy_act::bn_backward<{t}, {cl}, {v}, {a}, true>")
-    return names + [f"cupy_act::bn_finalize<{STATS}>", f"cupy_act::bn_finalize<{GRAD}>",
-                    "cupy_act::bn_finalize_eval", "cupy_act::bn_update_running"]  # fmt: skip
+    per_channel = ["bn_finalize_eval", "bn_update_running"] + [
+        f"{k}<{p}>" for k in ("bn_finalize", "bn_finish_sums") for p in (STATS, GRAD)
+    ]
+    return names + [f"cupy_act::{k}" for k in per_channel]
 
 
 def all_kernel_names() -> tuple[str, ...]:
@@ -174,7 +176,9 @@ class Pass(NamedTuple):
 
     A forward's statistics (``stats`` doubles, kept for its backward): mean
     and invstd (2 x channels floats, to a 16-byte boundary), then the
-    moments (channels x 2 doubles, at byte ``moments``). A pass's work area
+    moments (channels x 2 doubles, at byte ``moments``) and the count a
+    synchronized forward normalized over (one double, and one of padding).
+    A pass's work area
     (``work`` doubles, dead after it): partial sums (channels x splits x 2),
     then coef (a float4 per channel, at byte ``coef`` of the work area)."""
 
@@ -200,6 +204,17 @@ PASSES: dict[str, dict[bool, tuple[str, ...]]] = {
         True: ("reduce2", "finalize1", "backward_from_output"),
     },
     "running": {False: ("update_running",), True: ("update_running",)},
+    # synchronized (SyncBatchNorm): "*_local" writes each channel's sums (SUMS
+    # flag) for the host to all-reduce; "*_sync" finishes from the totals
+    "forward_local": {False: ("reduce0",), True: ("reduce0", "finalize0")},
+    "forward_sync": {False: ("finish_sums0", "forward"), True: ("finish_sums0", "forward")},
+    "backward_local": {False: ("reduce1",), True: ("reduce1", "finalize1")},
+    "backward_from_output_local": {False: ("reduce2",), True: ("reduce2", "finalize1")},
+    "backward_sync": {False: ("finish_sums1", "backward"), True: ("finish_sums1", "backward")},
+    "backward_from_output_sync": {
+        False: ("finish_sums1", "backward_from_output"),
+        True: ("finish_sums1", "backward_from_output"),
+    },
 }
 _passes: dict[tuple, Pass] = {}  # (Shape, aligned, pass) -> Pass
 
@@ -216,7 +231,7 @@ def prepare(s: Shape, pointers: int, which: str) -> Pass:
     head = (s.channels + 1) & ~1  # 2 x channels floats, to a 16-byte boundary
     launches = tuple(_launch_of(s, p, k) for k in PASSES[which][s.channels_last])
     counts = (s.n, s.inner, s.channels, p.splits)
-    inverses = (1.0 / s.inner, 1.0 / s.channels)
+    inverses = (1.0 / max(s.inner, 1), 1.0 / s.channels)  # (a synchronized rank may be empty)
     stats, work = stats_doubles(s.channels), s.channels * (2 * p.splits + 2)
     found = Pass(s, p, stats, 8 * head, work, 16 * s.channels * p.splits, launches, counts,
                  inverses, _need(s, p, which))  # fmt: skip
@@ -227,8 +242,15 @@ def prepare(s: Shape, pointers: int, which: str) -> Pass:
 
 
 def stats_doubles(channels: int) -> int:
-    """Doubles of a forward's statistics (``Pass``): mean and invstd, then the moments."""
-    return ((channels + 1) & ~1) + 2 * channels
+    """Doubles of a forward's statistics (``Pass``): mean and invstd, then the
+    moments and the count (and a pad to 16 bytes)."""
+    return ((channels + 1) & ~1) + 2 * channels + 2
+
+
+def sums_doubles(channels: int) -> int:
+    """Doubles of a synchronized pass's sums (what the processes all-reduce):
+    two per channel, then the forward's count."""
+    return 2 * channels + 1
 
 
 def _need(s: Shape, p: Plan, which: str) -> Buffers:
@@ -236,17 +258,27 @@ def _need(s: Shape, p: Plan, which: str) -> Buffers:
     (0: not indexed): x, y (and dy in a backward) hold n elements, the mask
     one bit per element in 32-bit words, every per-channel array C floats,
     the partial sums C x splits pairs of doubles, coef a float4 per channel,
-    the moments two doubles per channel."""
+    the moments two doubles per channel, then the count and a pad.
+    Synchronized passes: the sums (written by "*_local" into the moments
+    address, read by "*_sync" from the partial address) two doubles per
+    channel, then the forward's count."""
     data = s.n * ITEMSIZE[s.dtype]
     c4 = 4 * s.channels
     backward = which.startswith("backward")
+    sums = 8 * sums_doubles(s.channels) if which.startswith("forward_") else 16 * s.channels
+    partial = 16 * s.channels * p.splits
+    moments = 16 * s.channels + 16  # (and the count, and a pad)
+    if which.endswith("_local"):
+        moments = sums
+    elif which.endswith("_sync"):
+        partial = sums
     return Buffers(
         x=data, dy=data if backward else 0, y=data, mask=4 * (-(-s.n // 32)), weight=c4,
         bias=c4, mean=c4, invstd=c4 + 8 * (s.channels & 1),  # (and the pad before the moments)
-        partial=0 if which == "eval" else 16 * s.channels * p.splits,
+        partial=0 if which == "eval" else partial,
         running_mean=c4, running_var=c4, grad_weight=c4, grad_bias=c4, coef=16 * s.channels,
         num_batches=8, arrivals=c4, residual=data, grad_residual=data,
-        moments=16 * s.channels,
+        moments=moments,
     )  # fmt: skip
 
 
@@ -263,12 +295,15 @@ def _refuse(ps: Pass, b: Buffers, have: tuple) -> None:
 
 def _launch_of(s: Shape, p: Plan, kernel: str) -> tuple:
     """(ptr, ctx, grid) of one kernel of a pass: "finalize<P>" (a block per
-    channel), "finalize_eval" / "update_running" (a thread per channel), "reduce<P>" (splits x
+    channel), "finalize_eval" / "update_running" / "finish_sums<P>" (a thread
+    per channel), "reduce<P>" (splits x
     channel tiles) or the elementwise "forward" / "backward" /
     "backward_from_output" (grid-stride)."""
     t, cl, a = CTYPES[s.dtype], "true" if s.channels_last else "false", ACTS[s.act]
     if kernel in ("finalize_eval", "update_running"):
         name, grid = f"cupy_act::bn_{kernel}", (-(-s.channels // THREADS), 1)
+    elif kernel.startswith("finish_sums"):
+        name, grid = f"cupy_act::bn_finish_sums<{kernel[-1]}>", (-(-s.channels // THREADS), 1)
     elif kernel.startswith("finalize"):
         name, grid = f"cupy_act::bn_finalize<{kernel[-1]}>", (s.channels, 1)
     elif kernel.startswith("reduce"):
@@ -305,7 +340,11 @@ def run(ps: Pass, stream: int, b: Buffers, have: tuple, momentum: float, eps: fl
     gradients (where given), then dx into b.y (and dz into b.grad_residual,
     where given); FROM_OUTPUT: b.x holds the forward's output (the in-place
     mode; b.residual the forward's); EVAL: the forward normalized with the
-    running statistics. "running": the running statistics from b.moments."""
+    running statistics. "running": the running statistics from b.moments.
+    Synchronized (flags | SUMS for "*_local"): "*_local" writes the local
+    sums into b.moments (the backward: grad_weight and grad_bias too);
+    "*_sync" reads the group's totals from b.partial and the forward's
+    statistics at b.moments (their count)."""
     for ptr, got, need in zip(b, have, ps.need):
         if ptr and got < need:
             _refuse(ps, b, have)

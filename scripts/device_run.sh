@@ -39,7 +39,7 @@ G1="first_backward or new_thread or threads or cache_dir or private or func_ or 
 G2="compile_default or compile_reduce_overhead or compile_max_autotune or compile_kernels_route"
 G3="compile_dynamic or compile_training_step or cuda_graph or checkpoint or autocast or export"
 G3="$G3 or no_grad or inference_mode or deterministic or grad_only_on_bias or side_stream"
-G4="ddp or fsdp2 or second_device"
+G4="ddp or fsdp2 or second_device or sync_batchnorm"
 B=$([ "$GPUS" -ge 2 ] && echo 1 || echo 0)
 IGNORE=""; for f in $CONF $CONV; do IGNORE="$IGNORE --ignore=$f"; done
 if has conformance; then
@@ -108,6 +108,10 @@ if has sanitizer; then
   san san_dgrad memcheck "${NC[@]}" -- tests/test_conv_dgrad.py -k "$DG" &
   # every entry point given mismatched tensors (the mismatch table's CUDA cases)
   san san_mismatch memcheck "${NC[@]}" -- tests/test_mismatched_inputs.py -m gpu &
+  # SyncBatchNormAct2d's local and synchronized passes (two processes, gloo on one GPU):
+  # a rank with batch 1 and one with none, both layouts and memory modes
+  san san_sync memcheck "${NC[@]}" SYNC_WORKER_SHAPES=2 -- tests/test_syncbatchnorm.py \
+    -m gpu -k kernels &
   # initcheck where buffers are zeroed or filled for a kernel: masks (elementwise,
   # the convolution's training forward), the weight gradient's split partials,
   # BatchNorm's counters and partial sums

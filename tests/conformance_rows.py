@@ -984,6 +984,25 @@ def ddp_batchnorm(device):
     dist.destroy_process_group()
 
 
+@row("cuda", launcher=_TORCHRUN, gpus=2)
+def sync_batchnorm(device):
+    """SyncBatchNormAct2d over NCCL, a GPU per process: the kernels against a
+    float64 whole-batch reference and nn.SyncBatchNorm, then DDP training
+    (tests/sync_worker.py's "kernels" and "ddp" cases)."""
+    import sync_worker
+
+    sync_worker.kernels(device)
+    sync_worker.ddp(device)
+    dist_done()
+
+
+def dist_done():
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 USAGE = """usage: python tests/conformance_rows.py ROW DEVICE
 
 Runs one conformance row (tests/test_conformance.py runs each in a fresh

@@ -192,11 +192,7 @@ def test_fuse_timm_shaped_modules(device, monkeypatch):
     assert n == 1 and type(top) is ct.BatchNormAct2d
 
 
-def test_sync_batchnorm_is_left_with_a_warning():
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.SyncBatchNorm(4), nn.ReLU())
-    with pytest.warns(UserWarning, match=r"left 1 nn.SyncBatchNorm as they are \(1\).*local"):
-        model, count = ct.fuse_batchnorm_act(model)
-    assert count == 0 and type(model[1]) is nn.SyncBatchNorm
+def test_fuse_refuses_what_is_not_a_module():
     with pytest.raises(TypeError, match="model must be a torch.nn.Module, got int"):
         ct.fuse_batchnorm_act(3)
 
@@ -268,12 +264,21 @@ def test_launch_plan(act, channels_last, monkeypatch):
     assert p.width == 8 and _batchnorm.plan(s, 256 | 520).width == 1
     assert _batchnorm.prepare(s, 256 | 520, "forward").plan.width == 1
     buffers = _batchnorm.Buffers(*range(1, 20))
-    for which in ("forward", "backward", "eval", "running"):
+    synced = ("forward_local", "forward_sync", "backward_local", "backward_sync")
+    for which in ("forward", "backward", "eval", "running", *synced):
         ps = _batchnorm.prepare(s, 256 | 512, which)
         assert ps.plan == p and ps.moments % 16 == 0 and ps.coef % 16 == 0
-        assert ps.moments >= 8 * 48 and ps.stats * 8 == ps.moments + 16 * 48  # (mean, invstd)
+        # (mean and invstd, then the moments, the count and a pad)
+        assert ps.moments >= 8 * 48 and ps.stats * 8 == ps.moments + 16 * 48 + 16
         assert ps.work * 8 == ps.coef + 16 * 48  # (partial sums, then coef)
         _batchnorm.run(ps, 0, buffers, ps.need, 0.1, 1e-5, 0.01, 0)
+    # synchronized: the local sums (and the forward's count) where the moments go,
+    # the totals read where the partial sums would be
+    local = _batchnorm.prepare(s, 0, "forward_local")
+    totals = _batchnorm.prepare(s, 0, "forward_sync")
+    assert local.need.moments == totals.need.partial == 8 * (2 * 48 + 1)
+    assert totals.need.moments == 16 * 48 + 16  # (the count kept for the backward, a pad)
+    assert _batchnorm.prepare(s, 0, "backward_sync").need.partial == 16 * 48
     names = set(_batchnorm.all_kernel_names())
     assert all(name in names for name, _ in launched), launched
     per_pass = 3 if channels_last else 2
@@ -284,11 +289,13 @@ def test_launch_plan(act, channels_last, monkeypatch):
         "bn_reduce", *finish, "bn_backward",
         "bn_finalize_eval", "bn_forward",
         "bn_update_running",
+        "bn_reduce", *finish, "bn_finish_sums", "bn_forward",
+        "bn_reduce", *finish, "bn_finish_sums", "bn_backward",
     ]  # fmt: skip
     assert _batchnorm.arrivals(s) == (0 if channels_last else 48)
     blocks = -(-48 // 8 // 32) if channels_last else 48
     assert launched[0][1] == launched[per_pass][1] == (p.splits, blocks)
-    assert launched[-3][1] == launched[-1][1] == (1, 1)  # (a thread per channel)
+    assert launched[2 * per_pass][1] == launched[2 * per_pass + 2][1] == (1, 1)  # (per channel)
     assert 1 < p.splits * 2048 <= s.n // blocks + 2048  # each block's share >= 2048 elements
     odd = _batchnorm.shape(0, "float32", act, channels_last, 2 * 6 * 5 * 5, 25, 6)
     assert not odd.vector and _batchnorm.plan(odd, 256).width == 1
@@ -315,7 +322,7 @@ def test_kernels_compile_with_nvrtc(arch):
     finally:
         nvrtc.destroyProgram(prog)
     entries = re.findall(r"^\.(?:visible|weak) \.entry ", ptx, re.M)
-    assert len(entries) == len(set(names)) == 4 + 3 * 4 * 14  # (dtype, layout, width) x kernels
+    assert len(entries) == len(set(names)) == 6 + 3 * 4 * 14  # (dtype, layout, width) x kernels
     sizes = set(re.findall(r"\.param \.align \d+ \.b8 \S+_param_0\[(\d+)\]", ptx))
     assert sizes == {str(_batchnorm._PARAMS.size)}
     assert "__local_depot" not in ptx

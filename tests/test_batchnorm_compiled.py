@@ -257,7 +257,7 @@ def test_ops_check_every_tensor_before_a_launch(device, launched):  # noqa: F811
     w, b = torch.ones(8, device=device), torch.zeros(8, device=device)
     rm, rv = torch.zeros(8, device=device), torch.ones(8, device=device)
     mask = torch.zeros(-(-x.numel() // 32), dtype=torch.int32, device=device)
-    stats = torch.zeros(8 + 16, dtype=torch.float64, device=device)
+    stats = torch.zeros(8 + 16 + 2, dtype=torch.float64, device=device)
     op = torch.ops.cupy_act
 
     def fwd(x=x, w=w, b=b, r=None, rm=None, rv=None, act="relu", slope=0.0, ev=False,
@@ -284,13 +284,13 @@ def test_ops_check_every_tensor_before_a_launch(device, launched):  # noqa: F811
         "dy shape": (bwd(dy=x[:2]), r"dy has shape \(2, 8, 6, 6\)"),
         "mask short": (bwd(mask=mask[:2]), "mask must be int32 with 36 words"),
         "mask dtype": (bwd(mask=mask.float()), "mask must be int32"),
-        "stats short": (bwd(stats=stats[:20]), "stats must be float64 with 24 elements"),
+        "stats short": (bwd(stats=stats[:20]), "stats must be float64 with 26 elements"),
         "from y without residual's shape": (bwd(r=x[:, :2], act="leaky_relu", out=True),
                                             "residual has shape"),
         "running dtype": (lambda: op.batchnorm_running_(rm.double(), rv, stats, x.numel(), 0.1),
                           "running_mean must be a dense float32"),
         "running stats": (lambda: op.batchnorm_running_(rm, rv, stats[:4], x.numel(), 0.1),
-                          "stats must be float64 with 24"),
+                          "stats must be float64 with 26"),
         "running n": (lambda: op.batchnorm_running_(rm, rv, stats, 12, 0.1),
                       "n=12 must be a multiple of the 8 channels"),
     }  # fmt: skip

@@ -172,21 +172,26 @@ def test_bad_inputs_are_named():
         ct.fuse_batchnorm_act_fx(TinyResNet(), memory="half")
 
 
-def test_sync_batchnorm_and_shared_modules_are_left():
-    """A SyncBatchNorm is left with a warning; a BatchNorm module called at two
-    places is not fused (one module cannot be both)."""
+def test_sync_batchnorm_fused_and_shared_modules_left():
+    """A SyncBatchNorm -> ReLU pair becomes a SyncBatchNormAct2d (its process
+    group kept); a BatchNorm module called at two places is not fused (one
+    module cannot be both), with a warning naming it."""
 
     class Shared(nn.Module):
         def __init__(self):
             super().__init__()
-            self.bn, self.sync = nn.BatchNorm2d(4), nn.SyncBatchNorm(4)
+            self.bn, self.sync = nn.BatchNorm2d(4), nn.SyncBatchNorm(4, process_group="pg")
 
         def forward(self, x):
             return torch.relu(self.bn(x)) + torch.relu(self.bn(x * 2)) + torch.relu(self.sync(x))
 
-    with pytest.warns(UserWarning, match="SyncBatchNorm"):
-        gm, count = ct.fuse_batchnorm_act_fx(Shared())
-    assert count == 0 and type(gm.bn) is nn.BatchNorm2d
+    model = Shared()
+    with pytest.warns(UserWarning, match=r"1 BatchNorm\(s\) \(bn\) are not followed"):
+        gm, count = ct.fuse_batchnorm_act_fx(model)
+    assert count == 1 and type(gm.bn) is nn.BatchNorm2d
+    assert type(gm.sync) is ct.SyncBatchNormAct2d and gm.sync.process_group == "pg"
+    assert gm.sync.weight is model.sync.weight and gm.sync.act == "relu"
+    assert "relu" not in gm.code.split("self.sync")[1].split("\n")[0]
 
 
 @pytest.mark.gpu

@@ -10,16 +10,20 @@ from . import (
     _library,  # noqa: F401  (registers the cupy_act:: custom ops)
     adopt,
     batchnorm,
+    batchnorm_fuse,
     batchnorm_fx,
     functional,
     modules,
+    syncbatchnorm,
 )
 from .adopt import *  # noqa: F403  (replace_activations, activations_mode)
-from .batchnorm import *  # noqa: F403  (BatchNormAct2d, fuse_batchnorm_act)
+from .batchnorm import *  # noqa: F403  (BatchNormAct2d, set_compiled_batchnorm)
+from .batchnorm_fuse import *  # noqa: F403  (fuse_batchnorm_act, convert_sync_batchnorm)
 from .batchnorm_fx import *  # noqa: F403  (fuse_batchnorm_act_fx)
 from .conv import conv2d_div_leaky_relu, set_compiled_epilogue
 from .functional import *  # noqa: F403  (the public functions, listed in functional.__all__)
 from .modules import *  # noqa: F403  (the nn.Modules, listed in modules.__all__)
+from .syncbatchnorm import *  # noqa: F403  (SyncBatchNormAct2d)
 
 __all__ = [
     *functional.__all__,
@@ -28,5 +32,7 @@ __all__ = [
     *modules.__all__,
     *adopt.__all__,
     *batchnorm.__all__,
+    *batchnorm_fuse.__all__,
     *batchnorm_fx.__all__,
+    *syncbatchnorm.__all__,
 ]

@@ -34,6 +34,28 @@ _nbytes = _impl.nbytes
 layout_of = _impl.is_channels_last  # (the kernels walk x channels-last where it is dense so)
 
 
+def bind(**arrays) -> tuple[_bn.Buffers, tuple]:
+    """(Buffers, have) from the named arrays (``_bn.Buffers``' fields): a
+    tensor, (address, bytes to the end of its buffer), or absent / None."""
+    ptrs, have = [], []
+    for name in _bn.Buffers._fields:
+        a = arrays.pop(name, None)
+        if a is None:
+            a = (0, 0)
+        elif isinstance(a, torch.Tensor):
+            a = (a.data_ptr(), _nbytes(a))
+        ptrs.append(a[0])
+        have.append(a[1])
+    if arrays:
+        raise TypeError(f"bind: unknown buffers {sorted(arrays)}")
+    return _bn.Buffers(*ptrs), tuple(have)
+
+
+def at(t: torch.Tensor, offset: int) -> tuple[int, int]:
+    """(address, bytes left) ``offset`` bytes into t."""
+    return t.data_ptr() + offset, _nbytes(t) - offset
+
+
 def arranged(t, channels_last: bool):
     """``_impl.arrange``, None staying None."""
     return None if t is None else _impl.arrange(t, channels_last)
@@ -116,40 +138,58 @@ def forward(x, weight, bias, residual, running_mean, running_var, count, factor:
     ``split``, the pass's work area (one allocation; the compiled op returns
     the statistics alone and allocates the work area apart). The mask is None
     where no backward reads one (no gradient, the identity, or from y)."""
-    cl = layout_of(x)
-    s = shape_of(x, mode.act, cl)
-    c, dev = s.channels, x.device
-    y = torch.empty_like(x) if out is None else out
-    mask = None
-    if mode.grad and not mode.inplace and mode.act != "identity":
-        mask = torch.empty(mask_words(s.n), dtype=torch.int32, device=dev)
-    xp, yp, rp = x.data_ptr(), y.data_ptr(), _ptr(residual)
-    ps = _bn.prepare(s, xp | yp | rp, "eval" if mode.evaluate else "forward")
+    s = shape_of(x, mode.act, layout_of(x))
+    y, mask = _outputs(x, s, mode, out)
+    ps = _bn.prepare(s, x.data_ptr() | y.data_ptr() | _ptr(residual),
+                     "eval" if mode.evaluate else "forward")  # fmt: skip
+    dev = x.device
     if split:
         stats = torch.empty(ps.stats, dtype=torch.float64, device=dev)
         work = torch.empty(ps.work, dtype=torch.float64, device=dev)
-        w, wb = work.data_ptr(), _nbytes(work)
+        w = at(work, 0)
     else:
         stats = torch.empty(ps.stats + ps.work, dtype=torch.float64, device=dev)
-        w, wb = stats.data_ptr() + 8 * ps.stats, 8 * ps.work
-    mean, sb = stats.data_ptr(), _nbytes(stats)
+        w = at(stats, 8 * ps.stats)
     stream = _impl._raw_stream(s.device)
     counters, counted, _keep = (0, 0, None) if mode.evaluate else arrivals(s, stream, dev)
-    moments = mean + ps.moments
-    b = _bn.Buffers(
-        xp, 0, yp, _ptr(mask), _ptr(weight), _ptr(bias), mean, mean + 4 * c, w,
-        _ptr(running_mean), _ptr(running_var), 0, 0, w + ps.coef, _ptr(count), counters,
-        rp, 0, moments,
-    )  # fmt: skip
-    xb = _nbytes(x)
-    have = (
-        xb, 0, xb, _nbytes(mask), _nbytes(weight), _nbytes(bias), sb, sb - 4 * c, wb,
-        _nbytes(running_mean), _nbytes(running_var), 0, 0, wb - ps.coef, _nbytes(count),
-        counted, _nbytes(residual), 0, sb - ps.moments,
+    b, have = bind(
+        x=x, y=y, mask=mask, weight=weight, bias=bias, **_stats_at(stats, s.channels, ps),
+        partial=w, running_mean=running_mean, running_var=running_var,
+        coef=(w[0] + ps.coef, w[1] - ps.coef), num_batches=count,
+        arrivals=(counters, counted), residual=residual,
     )  # fmt: skip
     flags = _bn.EVAL if mode.evaluate else 0
     _bn.run(ps, stream, b, have, factor, eps, mode.slope, flags)
     return y, stats, mask, s
+
+
+def _outputs(x, s: _bn.Shape, mode: Mode, out):
+    """(y, mask) of a forward: y ``out`` or new, the mask where a backward reads one."""
+    y = torch.empty_like(x) if out is None else out
+    mask = None
+    if mode.grad and not mode.inplace and mode.act != "identity":
+        mask = torch.empty(mask_words(s.n), dtype=torch.int32, device=x.device)
+    return y, mask
+
+
+def _stats_at(stats, c: int, ps: _bn.Pass) -> dict:
+    """The mean, invstd and moments addresses of a forward's statistics."""
+    return {"mean": at(stats, 0), "invstd": at(stats, 4 * c), "moments": at(stats, ps.moments)}
+
+
+def _flags(mode: Mode) -> int:
+    return (_bn.EVAL if mode.evaluate else 0) | (_bn.FROM_OUTPUT if mode.inplace else 0)
+
+
+def _backward_pass(mode: Mode) -> str:
+    return "backward_from_output" if mode.inplace else "backward"
+
+
+def _grads(c: int, dev, need_w: bool, need_b: bool):
+    # (each gradient its own allocation: a parameter's .grad may keep it)
+    gw = torch.empty(c, dtype=torch.float32, device=dev) if need_w else None
+    gb = torch.empty(c, dtype=torch.float32, device=dev) if need_b else None
+    return gw, gb
 
 
 def backward(src, gy, mask, weight, bias, stats, residual, s: _bn.Shape, mode: Mode,
@@ -160,43 +200,114 @@ def backward(src, gy, mask, weight, bias, stats, residual, s: _bn.Shape, mode: M
     cl = s.channels_last
     gy = arranged(gy, cl)
     residual = arranged(residual, cl) if mode.inplace else None
-    c, dev = s.channels, src.device
+    dev = src.device
     dx = torch.empty_like(src)
     gr = torch.empty_like(src) if need_r else None
-    sp, gp, dp = src.data_ptr(), gy.data_ptr(), dx.data_ptr()
-    pointers = sp | gp | dp | _ptr(gr) | _ptr(residual)
-    ps = _bn.prepare(s, pointers, "backward_from_output" if mode.inplace else "backward")
-    # (each gradient its own allocation: a parameter's .grad may keep it)
-    gw = torch.empty(c, dtype=torch.float32, device=dev) if need_w else None
-    gb = torch.empty(c, dtype=torch.float32, device=dev) if need_b else None
+    pointers = src.data_ptr() | gy.data_ptr() | dx.data_ptr() | _ptr(gr) | _ptr(residual)
+    ps = _bn.prepare(s, pointers, _backward_pass(mode))
+    gw, gb = _grads(s.channels, dev, need_w, need_b)
     work = torch.empty(ps.work, dtype=torch.float64, device=dev)
-    mean, w = stats.data_ptr(), work.data_ptr()
     stream = _impl._raw_stream(s.device)
     counters, counted, _keep = arrivals(s, stream, dev)
-    b = _bn.Buffers(
-        sp, gp, dp, _ptr(mask), _ptr(weight), _ptr(bias), mean, mean + 4 * c, w,
-        0, 0, _ptr(gw), _ptr(gb), w + ps.coef, 0, counters, _ptr(residual), _ptr(gr), 0,
+    b, have = bind(
+        x=src, dy=gy, y=dx, mask=mask, weight=weight, bias=bias, mean=at(stats, 0),
+        invstd=at(stats, 4 * s.channels), partial=work, grad_weight=gw, grad_bias=gb,
+        coef=at(work, ps.coef), arrivals=(counters, counted), residual=residual,
+        grad_residual=gr,
     )  # fmt: skip
-    sb, wb = _nbytes(stats), _nbytes(work)
-    have = (
-        _nbytes(src), _nbytes(gy), _nbytes(dx), _nbytes(mask), _nbytes(weight), _nbytes(bias),
-        sb, sb - 4 * c, wb, 0, 0, _nbytes(gw), _nbytes(gb), wb - ps.coef, 0, counted,
-        _nbytes(residual), _nbytes(gr), 0,
-    )  # fmt: skip
-    flags = (_bn.EVAL if mode.evaluate else 0) | (_bn.FROM_OUTPUT if mode.inplace else 0)
-    _bn.run(ps, stream, b, have, 0.0, 0.0, mode.slope, flags)
+    _bn.run(ps, stream, b, have, 0.0, 0.0, mode.slope, _flags(mode))
     return dx, gw, gb, gr
 
 
 def update_running(running_mean, running_var, stats, s: _bn.Shape, momentum: float) -> None:
     """The running statistics from a training forward's moments (in ``stats``)."""
     ps = _bn.prepare(s, 0, "running")
-    mean = stats.data_ptr()
-    b = _bn.Buffers(
-        0, 0, 0, 0, 0, 0, 0, 0, 0, running_mean.data_ptr(), running_var.data_ptr(), 0, 0, 0, 0,
-        0, 0, 0, mean + ps.moments,
-    )  # fmt: skip
-    have = (0,) * 9 + (_nbytes(running_mean), _nbytes(running_var)) + (0,) * 7 + (
-        _nbytes(stats) - ps.moments,
-    )  # fmt: skip
+    b, have = bind(running_mean=running_mean, running_var=running_var,
+                   moments=at(stats, ps.moments))  # fmt: skip
     _bn.run(ps, _impl._raw_stream(s.device), b, have, momentum, 0.0, 0.0, 0)
+
+
+# ---- synchronized BatchNorm: local sums, then (after the caller's all-reduce) the rest ----
+
+
+def _sums(s: _bn.Shape, x, pointers: int, which: str, mode: Mode, n: int, **arrays):
+    """The local pass ``which`` ("*_local"): each channel's sums into a new
+    float64 tensor of ``n`` doubles (zeros where x is empty)."""
+    dev = x.device
+    sums = torch.empty(n, dtype=torch.float64, device=dev)
+    if s.n == 0:
+        return sums.zero_()
+    ps = _bn.prepare(s, pointers, which)
+    work = torch.empty(ps.work, dtype=torch.float64, device=dev)
+    stream = _impl._raw_stream(s.device)
+    counters, counted, _keep = arrivals(s, stream, dev)
+    b, have = bind(x=x, partial=work, arrivals=(counters, counted), moments=sums, **arrays)
+    flags = _bn.SUMS | (_flags(mode) if which.startswith("backward") else 0)
+    _bn.run(ps, stream, b, have, 0.0, 0.0, mode.slope, flags)
+    return sums
+
+
+def sync_sums(x, mode: Mode) -> tuple[torch.Tensor, _bn.Shape]:
+    """A synchronized training forward's first half: (sums, shape), sums
+    holding x's per-channel sum and sum of squares (float64, [C][2]) and
+    then its count per channel, for the caller to all-reduce over the group."""
+    s = shape_of(x, mode.act, layout_of(x))
+    n = _bn.sums_doubles(s.channels)
+    return _sums(s, x, x.data_ptr(), "forward_local", mode, n), s
+
+
+def sync_forward(x, weight, bias, residual, running_mean, running_var, count, factor: float,
+                 eps: float, mode: Mode, s: _bn.Shape, sums, out=None):  # fmt: skip
+    """Its second half, from the group's totals (``sums`` all-reduced): the
+    statistics, the running statistics' update (PyTorch's rules, over the
+    group's count), then y and the mask as ``forward``. Returns (y, stats,
+    mask); ``stats`` also keeps the group's count for the backward."""
+    y, mask = _outputs(x, s, mode, out)
+    ps = _bn.prepare(s, x.data_ptr() | y.data_ptr() | _ptr(residual), "forward_sync")
+    c = s.channels
+    stats = torch.empty(ps.stats + 2 * c, dtype=torch.float64, device=x.device)  # (+ coef)
+    b, have = bind(
+        x=x, y=y, mask=mask, weight=weight, bias=bias, **_stats_at(stats, c, ps),
+        partial=sums, running_mean=running_mean, running_var=running_var,
+        coef=at(stats, 8 * ps.stats), num_batches=count, residual=residual,
+    )  # fmt: skip
+    _bn.run(ps, _impl._raw_stream(s.device), b, have, factor, eps, mode.slope, 0)
+    return y, stats, mask
+
+
+def sync_grad_sums(src, gy, mask, weight, bias, stats, residual, s: _bn.Shape, mode: Mode,
+                   need_w: bool, need_b: bool):  # fmt: skip
+    """A synchronized backward's first half: (sums, gw, gb), sums holding
+    the local sum dz and sum dz * xhat per channel ([C][2] float64, for the
+    caller to all-reduce), gw and gb the local weight and bias gradients
+    (zeros where x is empty; None where not needed). ``gy`` and ``residual``
+    in x's layout (``arranged``)."""
+    gw, gb = _grads(s.channels, src.device, need_w, need_b)
+    if s.n == 0:
+        for g in (gw, gb):
+            if g is not None:
+                g.zero_()
+    pointers = src.data_ptr() | gy.data_ptr() | _ptr(residual)
+    sums = _sums(
+        s, src, pointers, _backward_pass(mode) + "_local", mode, 2 * s.channels, dy=gy,
+        mask=mask, weight=weight, bias=bias, mean=at(stats, 0), invstd=at(stats, 4 * s.channels),
+        grad_weight=gw, grad_bias=gb, residual=residual,
+    )  # fmt: skip
+    return sums, gw, gb
+
+
+def sync_backward(src, gy, mask, weight, bias, stats, residual, s: _bn.Shape, mode: Mode,
+                  sums, need_r: bool):  # fmt: skip
+    """Its second half, from the group's totals (``sums`` all-reduced): (dx, gr)."""
+    dx = torch.empty_like(src)
+    gr = torch.empty_like(src) if need_r else None
+    pointers = src.data_ptr() | gy.data_ptr() | dx.data_ptr() | _ptr(gr) | _ptr(residual)
+    ps = _bn.prepare(s, pointers, _backward_pass(mode) + "_sync")
+    c = s.channels
+    coef = torch.empty(2 * c, dtype=torch.float64, device=src.device)
+    b, have = bind(
+        x=src, dy=gy, y=dx, mask=mask, weight=weight, bias=bias, **_stats_at(stats, c, ps),
+        partial=sums, coef=coef, residual=residual, grad_residual=gr,
+    )  # fmt: skip
+    _bn.run(ps, _impl._raw_stream(s.device), b, have, 0.0, 0.0, mode.slope, _flags(mode))
+    return dx, gr

@@ -32,7 +32,6 @@ BatchNorm -> ReLU / LeakyReLU pairs for it.
 from __future__ import annotations
 
 import inspect
-import warnings
 from typing import NamedTuple
 
 import torch
@@ -40,11 +39,11 @@ from torch import nn
 
 from .. import _batchnorm as _bn
 from . import _bn_kernels as _K
-from . import _bn_ops, _impl, adopt, modules
+from . import _bn_ops, _impl, modules
 from . import functional as F
 from ._bn_ops import set_compiled_batchnorm
 
-__all__ = ["BatchNormAct2d", "fuse_batchnorm_act", "set_compiled_batchnorm"]
+__all__ = ["BatchNormAct2d", "set_compiled_batchnorm"]
 
 ACTS = ("relu", "leaky_relu", "identity")
 _ACT_CLASSES = {
@@ -66,15 +65,13 @@ def _invertible(act: str, slope: float) -> bool:
     return act in _bn.INVERTIBLE and (act != "leaky_relu" or slope > 0)
 
 
-def _memory_mode(memory, act: str, slope: float) -> str:
+def _memory_mode(memory, act: str, slope: float, where: str = "BatchNormAct2d") -> str:
     if memory not in MEMORY:
-        raise ValueError(
-            f"BatchNormAct2d: memory={memory!r} is not supported; expected one of {MEMORY}"
-        )
+        raise ValueError(f"{where}: memory={memory!r} is not supported; expected one of {MEMORY}")
     if memory == "inplace" and not _invertible(act, slope):
         what = f"leaky_relu with negative_slope={slope}" if act == "leaky_relu" else act
         raise ValueError(
-            f"BatchNormAct2d: memory='inplace' needs an invertible activation (identity, or "
+            f"{where}: memory='inplace' needs an invertible activation (identity, or "
             f"leaky_relu with negative_slope > 0), got {what}"
         )
     return memory
@@ -94,6 +91,86 @@ def _act_name(act_layer, where: str) -> str:
         f"{where}: act_layer={act_layer!r} is not supported; expected one of {ACTS}, "
         f"nn.ReLU, nn.LeakyReLU, nn.Identity or None"
     )
+
+
+def _init_normalization(m: nn.Module, base: type, args: tuple, device, dtype, bias: bool) -> None:
+    """``base.__init__`` (nn.BatchNorm2d's or nn.SyncBatchNorm's) with ``bias``:
+    torch < 2.13 has no such switch, so the module is made without its bias
+    there (``args[3]`` is ``affine``)."""
+    if _BN_TAKES_BIAS:
+        base.__init__(m, *args, device, dtype, bias=bias)  # type: ignore[misc]
+    else:
+        base.__init__(m, *args, device, dtype)  # type: ignore[misc]
+        if args[3] and not bias:
+            m.register_parameter("bias", None)
+
+
+def _configure(m: nn.Module, act_layer, act_kwargs, memory, where: str) -> None:
+    """The activation's and memory mode's attributes of a fused module
+    (``act``, ``negative_slope``, ``memory``, ``after_conv``), checked."""
+    m.act = _act_name(act_layer, where)
+    kwargs = dict(act_kwargs or {})
+    kwargs.pop("inplace", None)
+    slope = kwargs.pop("negative_slope", 0.01)
+    if kwargs:
+        raise ValueError(
+            f"{where}: act_kwargs {sorted(kwargs)} not supported; "
+            f"accepted: negative_slope (LeakyReLU), inplace"
+        )
+    if m.act != "leaky_relu" and "negative_slope" in (act_kwargs or {}):
+        raise ValueError(
+            f"{where}: negative_slope given for act_layer {m.act!r}; it applies to "
+            f"'leaky_relu' only"
+        )
+    m.negative_slope = float(slope)
+    m.memory = _memory_mode(memory, m.act, m.negative_slope, where)
+    # whether the input is a convolution's output (the fusers know; None:
+    # unknown), for the compiled route's policy (set_compiled_batchnorm)
+    m.after_conv = None
+
+
+def _extra_repr(m: nn.Module, normalization: str) -> str:
+    act = f"act={m.act!r}"
+    if m.act == "leaky_relu":
+        act += f", negative_slope={m.negative_slope}"
+    if m.memory != "default":
+        act += f", memory={m.memory!r}"
+    return f"{normalization}, {act}"
+
+
+def _check_residual(residual, where: str) -> None:
+    if residual is not None and not isinstance(residual, torch.Tensor):
+        raise TypeError(
+            f"{where}: residual must be a torch.Tensor or None, got {type(residual).__name__}"
+        )
+
+
+def _reference_forward(m: nn.Module, normalize, input, residual) -> torch.Tensor:
+    """PyTorch's normalization (``normalize``: nn.BatchNorm2d's or
+    nn.SyncBatchNorm's forward, with their running statistics), then the
+    residual's addition and the activation in place on its fresh output."""
+    y = normalize(m, input)
+    if residual is not None:  # (as torchvision's blocks write it: out += identity)
+        y = y.add_(residual) if residual.shape == y.shape else y + residual
+    if m.act == "relu":
+        return F.relu(y, inplace=True)
+    if m.act == "leaky_relu":
+        return F.leaky_relu(y, m.negative_slope, inplace=True)
+    return y
+
+
+def _local_forward(m: nn.Module, input, residual, normalize) -> torch.Tensor:
+    """The statistics of this process's batch: the compiled route's ops where
+    they take the call, the fused kernels where they apply, else PyTorch's
+    ``normalize`` (``_reference_forward``)."""
+    if F._is_compiling():
+        y = _compiled_forward(m, input, residual)
+        if y is not None:
+            return y
+    tensors = _fused_tensors(m, input)
+    if tensors is not None and _residual_fits(m, input, residual):
+        return _fused_forward(m, input, tensors, residual)
+    return _reference_forward(m, normalize, input, residual)
 
 
 class BatchNormAct2d(nn.BatchNorm2d):
@@ -145,67 +222,19 @@ class BatchNormAct2d(nn.BatchNorm2d):
         *,
         bias: bool = True,
     ) -> None:
-        if _BN_TAKES_BIAS:
-            super().__init__(
-                num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias
-            )
-        else:  # (torch < 2.13: nn.BatchNorm2d has no bias switch; the same module without it)
-            args = (num_features, eps, momentum, affine, track_running_stats, device, dtype)
-            super().__init__(*args)
-            if affine and not bias:
-                self.register_parameter("bias", None)
-        self.act = _act_name(act_layer if apply_act else None, "BatchNormAct2d")
-        kwargs = dict(act_kwargs or {})
-        kwargs.pop("inplace", None)
-        slope = kwargs.pop("negative_slope", 0.01)
-        if kwargs:
-            raise ValueError(
-                f"BatchNormAct2d: act_kwargs {sorted(kwargs)} not supported; "
-                f"accepted: negative_slope (LeakyReLU), inplace"
-            )
-        if self.act != "leaky_relu" and "negative_slope" in (act_kwargs or {}):
-            raise ValueError(
-                f"BatchNormAct2d: negative_slope given for act_layer {self.act!r}; "
-                f"it applies to 'leaky_relu' only"
-            )
-        self.negative_slope = float(slope)
-        self.memory = _memory_mode(memory, self.act, self.negative_slope)
-        # whether the input is a convolution's output (the fusers know; None:
-        # unknown), for the compiled route's policy (set_compiled_batchnorm)
-        self.after_conv: bool | None = None
+        args = (num_features, eps, momentum, affine, track_running_stats)
+        _init_normalization(self, nn.BatchNorm2d, args, device, dtype, bias)
+        _configure(self, act_layer if apply_act else None, act_kwargs, memory, "BatchNormAct2d")
 
     def forward(self, input: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``act(bn(input))``, or ``act(bn(input) + residual)`` (the residual
         block's tail, apex's ``bn_add_relu``: one pass, and the backward
         returns the residual's gradient too)."""
-        if residual is not None and not isinstance(residual, torch.Tensor):
-            raise TypeError(
-                f"BatchNormAct2d: residual must be a torch.Tensor or None, got "
-                f"{type(residual).__name__}"
-            )
-        if F._is_compiling():
-            y = _compiled_forward(self, input, residual)
-            if y is not None:
-                return y
-        tensors = _fused_tensors(self, input)
-        if tensors is not None and _residual_fits(self, input, residual):
-            return _fused_forward(self, input, tensors, residual)
-        y = nn.BatchNorm2d.forward(self, input)  # PyTorch's normalization, running statistics
-        if residual is not None:  # (as torchvision's blocks write it: out += identity)
-            y = y.add_(residual) if residual.shape == y.shape else y + residual
-        if self.act == "relu":
-            return F.relu(y, inplace=True)
-        if self.act == "leaky_relu":
-            return F.leaky_relu(y, self.negative_slope, inplace=True)
-        return y
+        _check_residual(residual, "BatchNormAct2d")
+        return _local_forward(self, input, residual, nn.BatchNorm2d.forward)
 
     def extra_repr(self) -> str:
-        act = f"act={self.act!r}"
-        if self.act == "leaky_relu":
-            act += f", negative_slope={self.negative_slope}"
-        if self.memory != "default":
-            act += f", memory={self.memory!r}"
-        return f"{super().extra_repr()}, {act}"
+        return _extra_repr(self, super().extra_repr())
 
 
 # The fused CUDA kernels where they apply (False: always PyTorch's
@@ -241,13 +270,15 @@ def _tensors(m: nn.BatchNorm2d) -> _Tensors:
     return _Tensors(m.weight, m.bias, m.running_mean, m.running_var, m.num_batches_tracked)
 
 
-def _fused_tensors(m: BatchNormAct2d, x: torch.Tensor) -> _Tensors | None:
+def _fused_tensors(m: nn.Module, x: torch.Tensor, synced: bool = False) -> _Tensors | None:
     """The module's tensors where the fused kernels apply, else None (then
     ``nn.BatchNorm2d.forward`` runs, which raises PyTorch's own error for
     what it refuses): a dense 4-D CUDA tensor outside torch.compile,
     torch.func transforms and forward-mode AD (checked before the module's
     dictionaries are read, which tracing need not see), and every tensor the
-    kernels index checked against it (``_check_channels``, ``_kernel_tensors``)."""
+    kernels index checked against it (``_check_channels``, ``_kernel_tensors``).
+    ``synced``: statistics over a process group, where one value per channel
+    (or none) in this process is allowed."""
     if not (FUSED and _impl.on_gpu(x) and x.dim() == 4 and x.dtype in _FUSED_DTYPES):
         return None
     if F._is_compiling() or F._functorch_active() or F._forward_ad_active():
@@ -258,7 +289,8 @@ def _fused_tensors(m: BatchNormAct2d, x: torch.Tensor) -> _Tensors | None:
     if not _kernel_tensors(x, t, mean, var, m.training and m.track_running_stats):
         return None
     per_channel = x.numel() // max(c, 1)
-    if per_channel <= (1 if _batch_statistics(m, t.running_mean) else 0) or c > 65535:
+    least = 1 if _batch_statistics(m, t.running_mean) else 0
+    if (per_channel <= least and not synced) or c > 65535:
         return None  # (one value per channel in training: PyTorch's path raises its
         # error; the reduction's grid has a row of blocks per channel)
     if x.is_contiguous() or (FUSED_CHANNELS_LAST and _impl.is_channels_last(x)):
@@ -361,7 +393,7 @@ def _residual_fits(m: BatchNormAct2d, x: torch.Tensor, residual) -> bool:
         return True
     if not _like(residual, x):
         return False
-    if m.memory == "inplace":
+    if m.memory == "inplace" and x.numel():  # (empty tensors share no bytes)
         return residual.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
     return True
 
@@ -379,6 +411,14 @@ def _batch_statistics(m: nn.BatchNorm2d, running_mean) -> bool:
 
 def _fused_forward(m: BatchNormAct2d, x: torch.Tensor, t: _Tensors, residual) -> torch.Tensor:
     """nn.BatchNorm2d.forward's running-statistics bookkeeping, then the kernels."""
+    return _apply_fused(x, *_fused_args(m, x, t, residual))
+
+
+def _fused_args(m: nn.Module, x: torch.Tensor, t: _Tensors, residual) -> tuple:
+    """FusedBatchNormAct's arguments after x: (weight, bias, residual,
+    running_mean, running_var, count, factor, eps, mode), from nn.BatchNorm2d's
+    running-statistics bookkeeping (``num_batches_tracked`` incremented here
+    or by the kernels, ``count``; the cumulative average's factor)."""
     factor = 0.0 if m.momentum is None else m.momentum
     batch = _batch_statistics(m, t.running_mean)
     count = None  # num_batches_tracked where the kernels increment it
@@ -402,7 +442,7 @@ def _fused_forward(m: BatchNormAct2d, x: torch.Tensor, t: _Tensors, residual) ->
     mode = _K.Mode(m.act, m.negative_slope, not batch, m.memory == "inplace", grad)
     if residual is not None:
         residual = _K.arranged(residual, _K.layout_of(x))
-    return _apply_fused(x, w, b, residual, mean, var, count, float(factor), float(m.eps), mode)
+    return w, b, residual, mean, var, count, float(factor), float(m.eps), mode
 
 
 class FusedBatchNormAct(torch.autograd.Function):
@@ -459,207 +499,3 @@ try:
     _apply_fused = super(torch.autograd.Function, FusedBatchNormAct).apply
 except AttributeError:  # pragma: no cover - depends on the torch version
     _apply_fused = FusedBatchNormAct.apply
-
-
-def _fused(bn: nn.BatchNorm2d, act: str, slope: float, memory: str,
-           after_conv: bool | None = None) -> BatchNormAct2d:  # fmt: skip
-    """A BatchNormAct2d holding bn's own parameters and buffers (optimizers and
-    other references to them stay valid) and its training flag, in memory
-    mode ``memory`` (``_mode_for``'s choice); ``after_conv``: whether its
-    input is a convolution's output."""
-    new = BatchNormAct2d(
-        bn.num_features,
-        bn.eps,
-        bn.momentum,
-        bn.affine,
-        bn.track_running_stats,
-        act_layer=act,
-        act_kwargs={"negative_slope": slope} if act == "leaky_relu" else None,
-        device="meta",
-        memory=memory,
-    )
-    new._parameters = dict(bn._parameters)
-    new._buffers = dict(bn._buffers)
-    new.train(bn.training)
-    new.after_conv = after_conv
-    for name in adopt._HOOK_DICTS:  # (handles from register_*_hook keep working)
-        if name in bn.__dict__:
-            setattr(new, name, getattr(bn, name))
-    return new
-
-
-def _act_of(module: nn.Module) -> tuple[str, float] | None:
-    """(act name, slope) of an exact ReLU / LeakyReLU / Identity module, else None."""
-    name = _ACT_CLASSES.get(type(module))
-    if name is None:
-        return None
-    return name, float(getattr(module, "negative_slope", 0.01))
-
-
-def _is_timm_bn_act(module: nn.Module) -> bool:
-    """timm's BatchNormAct2d (found by name and shape: timm is not a dependency)."""
-    return (
-        type(module).__name__ == "BatchNormAct2d"
-        and not isinstance(module, BatchNormAct2d)
-        and isinstance(module, nn.BatchNorm2d)
-        and isinstance(getattr(module, "act", None), nn.Module)
-    )
-
-
-def fuse_batchnorm_act(model: nn.Module, memory: str = "default") -> tuple[nn.Module, int]:
-    """Swap BatchNorm + activation pairs for ``BatchNormAct2d``, in place.
-
-    Fuses timm's ``BatchNormAct2d`` (whose dropout is the identity) and, in
-    every ``nn.Sequential``, an ``nn.BatchNorm2d`` directly followed by an
-    ``nn.ReLU`` / ``nn.LeakyReLU`` (or cupy_act's), the activation becoming
-    ``nn.Identity``. The new modules hold the old parameters and buffers, so
-    ``state_dict`` keys and values and optimizer references do not change.
-    Subclasses are left alone (they may override ``forward``), and so is
-    ``nn.SyncBatchNorm``, with a warning: its statistics are reduced across
-    processes, ``BatchNormAct2d``'s are local, as ``nn.BatchNorm2d``'s.
-
-    ``memory="inplace"`` makes a fused module write over its input (see
-    ``BatchNormAct2d``) where that input is known to be a convolution's output
-    that nothing else reads: the BatchNorm follows an ``nn.Conv2d`` in an
-    ``nn.Sequential``, or is the ``bn`` of timm's ``ConvNormAct`` (whose
-    forward is conv, then bn); where the activation is invertible
-    (identity, LeakyReLU with a positive slope); and where ``weight`` has no
-    zero now (a warning names those that do). The others get the default.
-
-    A warning names what it leaves: no ``nn.BatchNorm2d`` at all, BatchNorms
-    not followed by an activation it can see (pairs a model's ``forward``
-    makes, as torchvision's ResNets do: ``fuse_batchnorm_act_fx`` fuses
-    those), and, with ``memory="inplace"``, pairs kept in the default mode and
-    why. A TorchScript or ``torch.compile``'d model is refused (fuse first,
-    then compile).
-
-    Returns:
-        ``(model, count)``: the model (a new module when ``model`` itself is
-        timm's ``BatchNormAct2d``) and how many pairs were fused::
-
-            model, count = fuse_batchnorm_act(model, memory="inplace")
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"fuse_batchnorm_act: model must be a torch.nn.Module, got {type(model).__name__}"
-        )
-    _memory_mode(memory, "identity", 0.0)  # (a bad value raises, naming it)
-    adopt._refuse(model, "the model", "fuse_batchnorm_act")
-    if _is_timm_bn_act(model):
-        act = _timm_act(model)
-        return (_fused(model, *act, "default"), 1) if act is not None else (model, 0)
-    count = 0
-    synced: list[str] = []
-    kept: dict[str, list[str]] = {}
-    for path, parent in list(model.named_modules()):
-        adopt._refuse(parent, f"submodule {path!r}" if path else "the model", "fuse_batchnorm_act")
-        children = list(parent._modules.items())
-        for i, (name, child) in enumerate(children):
-            if isinstance(child, nn.SyncBatchNorm):
-                synced.append(f"{path}.{name}" if path else name)
-            elif child is not None and _is_timm_bn_act(child):
-                act = _timm_act(child)
-                if act is not None:
-                    fresh = name == "bn" and _is_conv_norm_act(parent)
-                    label = f"{path}.{name}" if path else name
-                    mode = _mode_for(child, act, memory, fresh, kept, label)
-                    parent._modules[name] = _fused(child, *act, mode, fresh or None)
-                    count += 1
-            elif isinstance(parent, nn.Sequential) and type(child) is nn.BatchNorm2d:
-                if i + 1 < len(children):
-                    next_name, next_child = children[i + 1]
-                    act = _act_of(next_child) if next_child is not None else None
-                    if act is not None and act[0] != "identity":
-                        fresh = i > 0 and isinstance(children[i - 1][1], nn.Conv2d)
-                        label = f"{path}.{name}" if path else name
-                        mode = _mode_for(child, act, memory, fresh, kept, label)
-                        parent._modules[name] = _fused(child, *act, mode, fresh)
-                        parent._modules[next_name] = nn.Identity()
-                        count += 1
-    unfused = [n for n, m in model.named_modules() if type(m) is nn.BatchNorm2d]
-    _warn_left("fuse_batchnorm_act", kept, synced, count, unfused)
-    return model, count
-
-
-def _names(names: list) -> str:
-    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-
-
-def _warn_left(fname: str, kept: dict, synced: list, count: int, unfused: list) -> None:
-    """The fusers' warnings, each naming the modules (to the fuser's caller):
-    BatchNorms fused in the default mode where memory="inplace" was asked
-    (``kept``: reason -> names), SyncBatchNorms left alone, and the
-    ``nn.BatchNorm2d`` not fused (``unfused``), or none in the model at all."""
-    for reason, names in kept.items():
-        warnings.warn(
-            f"{fname}: {len(names)} BatchNorm(s) ({_names(names)}) keep memory='default', as "
-            f"{reason}",
-            stacklevel=3,
-        )
-    if synced:
-        warnings.warn(
-            f"{fname}: left {len(synced)} nn.SyncBatchNorm as they are ({_names(synced)}): "
-            f"their statistics are reduced across processes, BatchNormAct2d's are local",
-            stacklevel=3,
-        )
-    if not count and not unfused and not synced:
-        warnings.warn(f"{fname}: fused nothing: the model has no nn.BatchNorm2d", stacklevel=3)
-    elif unfused:
-        hint = (
-            "fuse_batchnorm_act_fx(model) follows the calls a model's forward makes"
-            if fname == "fuse_batchnorm_act"
-            else "each must be called at one place and feed only a ReLU or LeakyReLU, or an "
-            "addition that feeds one"
-        )
-        warnings.warn(
-            f"{fname}: fused {count} BatchNorm -> activation pair(s); {len(unfused)} "
-            f"nn.BatchNorm2d ({_names(unfused)}) are not followed by an activation it can see "
-            f"({hint})",
-            stacklevel=3,
-        )
-
-
-def _timm_act(module: nn.Module) -> tuple[str, float] | None:
-    """(act, slope) of timm's BatchNormAct2d where it can be fused (its dropout
-    the identity), else None."""
-    drop = getattr(module, "drop", None)
-    if drop is not None and type(drop) is not nn.Identity:
-        return None
-    return _act_of(module.act)
-
-
-# Why a pair asked for memory="inplace" keeps the default (the fusers' warnings)
-_NOT_INVERTIBLE = (
-    "their activation does not determine its input (ReLU; LeakyReLU needs a slope > 0)"
-)
-_NOT_FRESH = "their input is not a convolution's output that only they read"
-_ZEROED = "they have a zero in their weight: the in-place mode cannot recover xhat there"
-
-
-def _mode_for(bn: nn.BatchNorm2d, act: tuple, memory: str, fresh: bool, kept: dict,
-              label: str) -> str:  # fmt: skip
-    """The fused module's memory mode: "inplace" only where asked for, the
-    activation ``act`` ((name, slope)) is invertible, the input is a fresh
-    convolution output and the weight has no zero (checked now, once: a later
-    exact zero is the in-place mode's documented condition). Where it asked
-    and cannot, ``label`` joins ``kept[reason]``."""
-    if memory != "inplace":
-        return "default"
-    reason = None
-    if not _invertible(*act):
-        reason = _NOT_INVERTIBLE
-    elif not fresh:
-        reason = _NOT_FRESH
-    elif bn.weight is not None and bool((bn.weight == 0).any()):
-        reason = _ZEROED
-    if reason is None:
-        return memory
-    kept.setdefault(reason, []).append(label)
-    return "default"
-
-
-def _is_conv_norm_act(module: nn.Module) -> bool:
-    """timm's ConvNormAct (by name and shape): forward is conv, then bn."""
-    return type(module).__name__ in ("ConvNormAct", "ConvNormActAa") and isinstance(
-        getattr(module, "conv", None), nn.Conv2d
-    )

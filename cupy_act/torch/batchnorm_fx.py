@@ -22,6 +22,7 @@ from torch import fx, nn
 
 from . import adopt
 from . import batchnorm as bn
+from . import batchnorm_fuse as fuse
 
 __all__ = ["fuse_batchnorm_act_fx"]
 
@@ -35,7 +36,7 @@ def _activation(node: fx.Node, source: fx.Node, modules: dict) -> tuple[str, flo
     if not node.args or node.args[0] is not source:
         return None
     if node.op == "call_module":
-        act = bn._act_of(modules[node.target])
+        act = fuse._act_of(modules[node.target])
         return act if act is not None and act[0] != "identity" and len(node.args) == 1 else None
     if node.op == "call_method" and node.target in _RELU_METHODS and len(node.args) == 1:
         return "relu", 0.0
@@ -99,8 +100,8 @@ def fuse_batchnorm_act_fx(
 ) -> tuple[fx.GraphModule, int]:
     """Trace ``model`` and fuse its BatchNorm -> activation pairs.
 
-    Every ``nn.BatchNorm2d`` (exact type, called at one place in the graph)
-    whose output has one use, a ReLU or LeakyReLU of it, becomes a
+    Every ``nn.BatchNorm2d`` or ``nn.SyncBatchNorm`` (exact type, called at
+    one place in the graph) whose output has one use, a ReLU or LeakyReLU of it, becomes a
     ``BatchNormAct2d`` holding the same parameters and buffers, and the
     activation call goes. Where that one use is an addition of another
     tensor whose one use is the activation (torchvision's Bottleneck and
@@ -108,7 +109,8 @@ def fuse_batchnorm_act_fx(
     ``residual`` and the addition goes too. ``memory="inplace"`` applies where the BatchNorm
     reads an ``nn.Conv2d`` output used by nothing else and its weight has no
     zero now (a warning names those that do); the others get the default.
-    ``nn.SyncBatchNorm`` is left alone, with a warning.
+    Synchronized BatchNorms become ``SyncBatchNormAct2d`` (their process
+    group kept).
 
     Args:
         model: a module ``torch.fx`` can trace (``fuse_batchnorm_act`` covers
@@ -144,13 +146,10 @@ def fuse_batchnorm_act_fx(
             calls[node.target] = calls.get(node.target, 0) + 1
     count = 0
     kept: dict[str, list[str]] = {}
-    synced: list[str] = []
     unfused: list[str] = []
     for node in list(gm.graph.nodes):
         module = modules.get(node.target) if node.op == "call_module" else None
-        if isinstance(module, nn.SyncBatchNorm):
-            synced.append(node.target)
-        if type(module) is not nn.BatchNorm2d:
+        if type(module) not in fuse._FUSABLE:
             continue
         user = next(iter(node.users)) if len(node.users) == 1 else None
         act = _activation(user, node, modules) if user is not None else None
@@ -160,9 +159,9 @@ def fuse_batchnorm_act_fx(
             continue
         pair = act if act is not None else tail[3]  # type: ignore[index]
         fresh = _fresh_conv_output(node, modules)
-        mode = bn._mode_for(module, pair, memory, fresh, kept, node.target)
+        mode = fuse._mode_for(module, pair, memory, fresh, kept, node.target)
         parent, _, name = node.target.rpartition(".")
-        fused = bn._fused(module, pair[0], pair[1], mode, _reads_conv(node, modules))
+        fused = fuse._fused(module, pair[0], pair[1], mode, _reads_conv(node, modules))
         setattr(gm.get_submodule(parent), name, fused)
         if tail is None:
             user.replace_all_uses_with(node)
@@ -175,7 +174,7 @@ def fuse_batchnorm_act_fx(
             for dead in (act_node, add, node):
                 gm.graph.erase_node(dead)
         count += 1
-    bn._warn_left("fuse_batchnorm_act_fx", kept, synced, count, sorted(set(unfused)))
+    fuse._warn_left("fuse_batchnorm_act_fx", kept, count, sorted(set(unfused)))
     gm.graph.lint()
     gm.recompile()
     return gm, count
