@@ -428,6 +428,9 @@ CASES = {"standins": standins, "refused": refused, "kernels": kernels, "ddp": dd
 
 def main(argv) -> int:
     case, device = argv
+    import mutants  # (a deliberate bug where CUPY_ACT_MUTANT names one: tests/mutants.py)
+
+    mutants.apply_from_env()
     CASES[case](device)
     dist.barrier()
     dist.destroy_process_group()

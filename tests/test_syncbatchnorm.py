@@ -62,6 +62,12 @@ def test_outside_a_group_it_is_batchnorm_and_activation(act):
         testing.assert_bits_equal(ours(x, r), fn(bn(x) + r), f"train={train}")
     for a, e in zip(ours.buffers(), bn.buffers()):
         assert torch.equal(a, e)
+    # other ranks than 4, as nn.SyncBatchNorm takes them (a converted BatchNorm1d): its path
+    flat, bn1 = ct.SyncBatchNormAct2d(5, act_layer=act, act_kwargs=kwargs), nn.BatchNorm1d(5)
+    x = torch.randn(8, 5)
+    testing.assert_bits_equal(flat(x), fn(bn1(x)), "2-D input")
+    with pytest.raises(ValueError, match="expected at least 2D input"):
+        flat(torch.randn(5))
 
 
 class SyncBatchNormAct(nn.SyncBatchNorm):

@@ -78,10 +78,6 @@ class SyncBatchNormAct2d(nn.SyncBatchNorm):
         where = "SyncBatchNormAct2d"
         _bnm._configure(self, act_layer if apply_act else None, act_kwargs, memory, where)
 
-    def _check_input_dim(self, input: torch.Tensor) -> None:
-        if input.dim() != 4:
-            raise ValueError(f"expected 4D input (got {input.dim()}D input)")
-
     def forward(self, input: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``act(bn(input))`` or ``act(bn(input) + residual)``, the statistics
         reduced over the process group in training."""
