@@ -163,3 +163,83 @@ def test_statistics_over_two_processes_on_cuda(case):
     one): against a float64 whole-batch reference and PyTorch's
     nn.SyncBatchNorm; DDP training losses (sync_worker.py)."""
     _torchrun(case, "cuda")
+
+
+@pytest.mark.parametrize("memory", ["default", "inplace"])
+@pytest.mark.parametrize("shape,layout", [
+    ((4, 6, 5, 7), "nchw"), ((3, 5, 4, 4), "channels_last"), ((0, 6, 3, 3), "nchw"),
+    ((2, 16, 1, 1), "channels_last"),
+])  # fmt: skip
+def test_launch_plan_of_the_synchronized_passes(shape, layout, memory, monkeypatch):
+    """The four calls' launches on CPU tensors, recorded, not made: the local
+    passes write their sums where the all-reduce reads them (flag SUMS), the
+    finishing passes read the totals and keep the count after the moments;
+    every buffer as large as its pass indexes (an empty batch launches no
+    local pass); a sums buffer without the count is refused before any launch."""
+    from types import SimpleNamespace
+
+    from cupy_act import _batchnorm, _launch
+    from cupy_act.torch import _bn_kernels as K
+    from cupy_act.torch import _impl
+
+    launched = []
+
+    def run_all(launches, threads, stream, argv):
+        fields = _batchnorm._PARAMS.unpack(_batchnorm._scratch.buf.raw)
+        buffers = _batchnorm.Buffers(*fields[:19])
+        launched.extend(
+            (p.split("<")[0].split("::")[1], buffers, fields[-1]) for p, _, _ in launches
+        )
+
+    monkeypatch.setattr(_batchnorm, "_kernel", lambda d, t, name: SimpleNamespace(ptr=name, ctx=0))
+    monkeypatch.setattr(_batchnorm._launch, "run_all", run_all)
+    monkeypatch.setattr(_batchnorm, "_passes", {})
+    monkeypatch.setitem(_batchnorm._sms, None, 132)
+    monkeypatch.setattr(_impl, "_raw_stream", lambda device: 5)
+    monkeypatch.setattr(K, "_capturing", lambda: False)
+    monkeypatch.setattr(K, "_arrival_sets", {})
+    monkeypatch.setattr(K, "_new_set", lambda device: 4096)
+    inplace = memory == "inplace"
+    mode = K.Mode("leaky_relu", 0.1, False, inplace, True)
+    x = torch.randn(shape)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    c = shape[1]
+    w, b, rm, rv = torch.rand(c) + 0.5, torch.randn(c), torch.zeros(c), torch.ones(c)
+    sums, s = K.sync_sums(x, mode)
+    assert sums.numel() == 2 * c + 1 and s.channels_last == K.layout_of(x)
+    y, stats, mask = K.sync_forward(x, w, b, None, rm, rv, None, 0.1, 1e-5, mode, s, sums)
+    gy = torch.randn_like(x)
+    src = y if inplace else x
+    gsums, gw, gb = K.sync_grad_sums(src, gy, mask, w, b, stats, None, s, mode, True, True)
+    dx, _ = K.sync_backward(src, gy, mask, w, b, stats, None, s, mode, gsums, False)
+    assert gsums.numel() == 2 * c and dx.shape == x.shape and (gw.numel(), gb.numel()) == (c, c)
+    finish = ["bn_finalize"] if s.channels_last else []
+    local = [] if x.numel() == 0 else ["bn_reduce", *finish]
+    names = [n for n, _, _ in launched]
+    assert names == local + ["bn_finish_sums", "bn_forward"] + local + [
+        "bn_finish_sums",
+        "bn_backward",
+    ]
+    ps = _batchnorm.prepare(s, 0, "forward_sync")
+    stats_moments = stats.data_ptr() + ps.moments
+    by_pass = iter(launched)
+    for kernel, buffers, flags in by_pass:
+        if kernel == "bn_finish_sums":
+            break
+        assert buffers.moments == sums.data_ptr() and flags & _batchnorm.SUMS  # (forward, local)
+    assert buffers.partial == sums.data_ptr() and buffers.moments == stats_moments
+    assert buffers.running_mean == rm.data_ptr() and not flags & _batchnorm.SUMS
+    rest = [t for t in by_pass][1:]  # (after the forward's elementwise pass)
+    for _, buffers, flags in rest[: len(local)]:
+        assert buffers.moments == gsums.data_ptr() and flags & _batchnorm.SUMS
+        assert (
+            buffers.grad_weight == gw.data_ptr() and bool(flags & _batchnorm.FROM_OUTPUT) == inplace
+        )
+    kernel, buffers, flags = rest[len(local)]
+    assert kernel == "bn_finish_sums" and buffers.partial == gsums.data_ptr()
+    assert buffers.moments == stats_moments and buffers.grad_weight == 0  # (the count; gw local)
+    launched.clear()
+    with pytest.raises(_launch.SizeMismatch, match="partial has"):
+        K.sync_forward(x, w, b, None, rm, rv, None, 0.1, 1e-5, mode, s, sums[: 2 * c])
+    assert launched == []
