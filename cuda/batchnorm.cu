@@ -83,6 +83,10 @@ struct BnParams {
   long long inner;        // H x W
   long long channels;
   long long splits;       // partial sums per channel
+  long long dy_skip;      // dy's elements between one row (channels-last: C values) or one
+                          // sample (NCHW: C x H x W) and the next, beyond the row or sample:
+                          // 0 where dy is dense; a channel slice of a concatenation's
+                          // gradient is read where it lies instead of copied
   double momentum;        // the running statistics' factor (PyTorch's exponential_average_factor)
   double eps;
   double inv_inner;       // 1 / inner and 1 / channels, for quot()
@@ -91,10 +95,14 @@ struct BnParams {
   int flags;              // BnFlags
 };
 
+// Element i's channel, and (outer) its row (channels-last) or sample (NCHW):
+// dy's element i lies at i + outer * p.dy_skip.
 template <bool CL>
-__device__ __forceinline__ long long bn_channel(long long i, const BnParams& p) {
+__device__ __forceinline__ long long bn_channel(long long i, const BnParams& p,
+                                                long long& outer) {
   const long long q = CL ? i : quot(i, p.inner, p.inv_inner);
-  return q - quot(q, p.channels, p.inv_channels) * p.channels;
+  outer = quot(q, p.channels, p.inv_channels);
+  return q - outer * p.channels;
 }
 
 template <typename T, int V>
@@ -187,16 +195,17 @@ __device__ __forceinline__ void bn_center(const BnParams& p, long long c, float&
   }
 }
 
-// The V elements of one vector into the accumulators (a, b: one pair per
-// element's channel, or all into [0] when the vector is one channel's).
+// The V elements of one vector (element i of x, dyi of dy) into the
+// accumulators (a, b: one pair per element's channel, or all into [0] when the
+// vector is one channel's).
 template <typename T, int V, int P, int A, int K>
-__device__ __forceinline__ void bn_accumulate(const BnParams& p, long long i,
+__device__ __forceinline__ void bn_accumulate(const BnParams& p, long long i, long long dyi,
                                               const float (&ctr)[K], const float (&scl)[K],
                                               double (&a)[K], double (&b)[K]) {
   float v[V], d[V] = {}, r[V] = {};
   bn_load<T, V>(p.x, i, v);
   u32 bits = ~0u;
-  if (P != kStats) bn_load<T, V>(p.dy, i, d);
+  if (P != kStats) bn_load<T, V>(p.dy, dyi, d);
   if (P == kGrad) bits = bn_bits<A>(p, i);
   if (P == kGradFromOutput && p.residual != nullptr) bn_load<T, V>(p.residual, i, r);
 #pragma unroll
@@ -372,7 +381,7 @@ __device__ __forceinline__ void bn_reduce_planes(const BnParams& p) {
     const long long j = k * V;
     const long long img = quot(j, p.inner, p.inv_inner);
     const long long i = (img * p.channels + c) * p.inner + (j - img * p.inner);
-    bn_accumulate<T, V, P, A, 1>(p, i, ctr, scl, a, b);
+    bn_accumulate<T, V, P, A, 1>(p, i, i + img * p.dy_skip, ctr, scl, a, b);
   }
   bn_block_sum(s1, s2, a[0], b[0]);
   __shared__ bool last;
@@ -413,8 +422,10 @@ __device__ __forceinline__ void bn_reduce_rows(const BnParams& p) {
   if (active) {
     const long long rows = p.n / p.channels;
     const long long stride = (long long)gridDim.x * rows_per_block;
-    for (long long r = (long long)blockIdx.x * rows_per_block + tr; r < rows; r += stride)
-      bn_accumulate<T, V, P, A, V>(p, r * p.channels + col * V, ctr, scl, a, b);
+    for (long long r = (long long)blockIdx.x * rows_per_block + tr; r < rows; r += stride) {
+      const long long i = r * p.channels + col * V;
+      bn_accumulate<T, V, P, A, V>(p, i, i + r * p.dy_skip, ctr, scl, a, b);
+    }
   }
 #pragma unroll
   for (int j = 0; j < V; ++j) {
@@ -496,6 +507,21 @@ __global__ void __launch_bounds__(kBnThreads) bn_finish_sums(const BnParams p) {
   }
 }
 
+// Channels-last: the host sizes the elementwise grids so that each thread's
+// vectors share one column of V channels (the grid's vectors per trip a
+// multiple of C / V, or a single trip): a thread loads its V coefficients
+// once. Loaded per vector, they were V float4 loads whose lanes lie 16 x V
+// bytes apart, and the L1 wavefronts, not DRAM, set the pass's speed.
+template <bool CL, int V>
+__device__ __forceinline__ void bn_coefs(const BnParams& p, long long first, float4 (&q)[V]) {
+  if constexpr (CL) {
+    long long row;
+    const long long c = bn_channel<true>(first, p, row);
+#pragma unroll
+    for (int j = 0; j < V; ++j) q[j] = p.coef[c + j];
+  }
+}
+
 // Each warp takes 32 consecutive vectors per trip; the G = 32 / V lanes that
 // share a mask word OR their V bits together (V = 1: one ballot).
 template <typename T, bool CL, int V, int A>
@@ -506,20 +532,24 @@ __global__ void __launch_bounds__(kBnThreads) bn_forward(const BnParams p) {
   const long long warps = ((long long)gridDim.x * kBnThreads) >> 5;
   const long long vectors = p.n / V;
   const bool masked = A != kIdentity && p.mask != nullptr;
+  float4 q[V];
+  bn_coefs<CL, V>(p, (warp * 32 + lane) * V, q);
   for (long long base = warp * 32; base < vectors; base += warps * 32) {
     const long long k = base + lane;
     u32 bits = 0;
     if (k < vectors) {
       const long long i = k * V;
-      const long long c = bn_channel<CL>(i, p);
       float v[V], r[V] = {};
       bn_load<T, V>(p.x, i, v);
       if (p.residual != nullptr) bn_load<T, V>(p.residual, i, r);
-      float4 q = p.coef[c];
+      if (!CL) {
+        long long img;
+        q[0] = p.coef[bn_channel<false>(i, p, img)];
+      }
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        if (CL && j > 0) q = p.coef[c + j];
-        float t = (v[j] - q.x) * q.y + q.z;
+        const float4& c = q[CL ? j : 0];
+        float t = (v[j] - c.x) * c.y + c.z;
         if (p.residual != nullptr) t += r[j];  // (not + 0 without one: -0 stays -0)
         bits |= (u32)bn_bit<A>(t) << j;
         v[j] = bn_act<A>(t, p.slope);
@@ -545,18 +575,24 @@ __global__ void __launch_bounds__(kBnThreads) bn_backward(const BnParams p) {
   const long long vectors = p.n / V;
   const long long stride = (long long)gridDim.x * kBnThreads;
   const bool eval = p.flags & kEval;
-  for (long long k = (long long)blockIdx.x * kBnThreads + threadIdx.x; k < vectors; k += stride) {
+  const long long first = (long long)blockIdx.x * kBnThreads + threadIdx.x;
+  float4 q[V];
+  bn_coefs<CL, V>(p, first * V, q);
+  for (long long k = first; k < vectors; k += stride) {
     const long long i = k * V;
-    const long long c = bn_channel<CL>(i, p);
+    long long outer = 0;
+    if (!CL)
+      q[0] = p.coef[bn_channel<false>(i, p, outer)];
+    else if (p.dy_skip != 0)
+      outer = quot(i, p.channels, p.inv_channels);
     float v[V], d[V], r[V] = {};
     bn_load<T, V>(p.x, i, v);
-    bn_load<T, V>(p.dy, i, d);
+    bn_load<T, V>(p.dy, i + outer * p.dy_skip, d);
     if (Out && p.residual != nullptr) bn_load<T, V>(p.residual, i, r);
     const u32 bits = Out ? 0u : bn_bits<A>(p, i);
-    float4 q = p.coef[c];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      if (CL && j > 0) q = p.coef[c + j];
+      const float4& c = q[CL ? j : 0];
       bool bit = (bits >> j) & 1u;
       float z = v[j];
       if (Out) {
@@ -566,7 +602,7 @@ __global__ void __launch_bounds__(kBnThreads) bn_backward(const BnParams p) {
       const float dz = bn_act_grad<A>(d[j], bit, p.slope);
       d[j] = dz;
       // (eval: dz * k alone, so an inf input does not make 0 * inf = NaN)
-      v[j] = eval ? dz * q.y : dz * q.y - (z - q.x) * q.z - q.w;
+      v[j] = eval ? dz * c.y : dz * c.y - (z - c.x) * c.z - c.w;
     }
     bn_store<T, V>(p.y, i, v);
     if (p.grad_residual != nullptr) bn_store<T, V>(p.grad_residual, i, d);

@@ -8,6 +8,7 @@ The torch adapter (``cupy_act.torch.batchnorm``) checks and allocates, then
 
 from __future__ import annotations
 
+import math
 import struct
 import threading
 from typing import NamedTuple
@@ -26,9 +27,9 @@ VECTOR = {"float32": 4, "float16": 8, "bfloat16": 8}
 # Activations whose input the output determines (the in-place mode's backward).
 INVERTIBLE = ("identity", "leaky_relu")
 
-# BnParams: 19 pointers, 4 long longs, 4 doubles, a float and an int.
-_PARAMS = struct.Struct("<19Q4q4dfi")
-assert _PARAMS.size == 224
+# BnParams: 19 pointers, 5 long longs, 4 doubles, a float and an int.
+_PARAMS = struct.Struct("<19Q5q4dfi")
+assert _PARAMS.size == 232
 _scratch = _launch._Scratch(_PARAMS.size)
 
 
@@ -320,14 +321,33 @@ def _launch_of(s: Shape, p: Plan, kernel: str) -> tuple:
         else:
             out = "true" if kernel == "backward_from_output" else "false"
             name = f"cupy_act::bn_backward<{t}, {cl}, {p.width}, {a}, {out}>"
-        blocks = -(-(s.n // p.width) // THREADS)
-        grid = (max(1, min(blocks, 16 * _sm_count(s.device))), 1)
+        grid = (elementwise_blocks(s, p.width, 16 * _sm_count(s.device)), 1)
     k = _kernel(s.device, s.dtype, name)
     return k.ptr, k.ctx, grid
 
 
+def elementwise_blocks(s: Shape, width: int, cap: int) -> int:
+    """Blocks of an elementwise pass (grid-stride, ``width`` elements per thread
+    and trip): about ``cap``, at least one. Channels-last: one trip, or a
+    multiple of the C / width vectors of a row per trip, so that every
+    thread's vectors share their channels (bn_coefs: their coefficients
+    loaded once)."""
+    blocks = max(1, -(-(s.n // width) // THREADS))
+    if blocks <= cap or not s.channels_last:
+        return min(blocks, cap)
+    cols = s.channels // width
+    period = cols // math.gcd(cols, THREADS)  # (blocks whose threads span whole rows)
+    return max(period, cap // period * period)
+
+
+def outers(s: Shape) -> int:
+    """Rows (channels-last) or samples (NCHW) of a tensor of shape ``s``: the
+    units that a strided dy's skip (``run``'s ``dy_skip``) separates."""
+    return s.n // s.channels if s.channels_last else s.n // max(s.channels * s.inner, 1)
+
+
 def run(ps: Pass, stream: int, b: Buffers, have: tuple, momentum: float, eps: float,
-        slope: float, flags: int) -> None:  # fmt: skip
+        slope: float, flags: int, dy_skip: int = 0) -> None:  # fmt: skip
     """The pass's kernels in order on ``stream``, on one parameter block (each
     launch copies it). ``have``: the bytes each address of ``b`` has to the
     end of its buffer; a launch that would index past one is refused
@@ -344,11 +364,20 @@ def run(ps: Pass, stream: int, b: Buffers, have: tuple, momentum: float, eps: fl
     Synchronized (flags | SUMS for "*_local"): "*_local" writes the local
     sums into b.moments (the backward: grad_weight and grad_bias too);
     "*_sync" reads the group's totals from b.partial and the forward's
-    statistics at b.moments (their count)."""
-    for ptr, got, need in zip(b, have, ps.need):
-        if ptr and got < need:
-            _refuse(ps, b, have)
-    _PARAMS.pack_into(_scratch.buf, 0, *b, *ps.counts, momentum, eps, *ps.inverses, slope, flags)
+    statistics at b.moments (their count). ``dy_skip``: elements of b.dy
+    between one row (channels-last) or sample (NCHW) and the next beyond
+    the dense tensor's (a channel slice; 16-byte vectors need its bytes in
+    ``prepare``'s pointers): b.dy then spans that many more per row or
+    sample but the last."""
+    need = ps.need
+    if dy_skip:
+        extra = dy_skip * (outers(ps.shape) - 1) * ITEMSIZE[ps.shape.dtype]
+        need = need._replace(dy=need.dy + extra)
+    for ptr, got, want in zip(b, have, need):
+        if ptr and got < want:
+            _refuse(ps._replace(need=need), b, have)
+    _PARAMS.pack_into(_scratch.buf, 0, *b, *ps.counts, dy_skip, momentum, eps, *ps.inverses,
+                      slope, flags)  # fmt: skip
     _launch.run_all(ps.launches, THREADS, stream, _scratch.argv_ptr)
 
 

@@ -88,6 +88,10 @@ if has sanitizer; then
   # BatchNorm forward and backward, both layouts (and an unaligned one), both memory modes
   san san_batchnorm memcheck "${NC[@]}" -- tests/test_batchnorm.py \
     -k "nchw_reductions or running or (accuracy and float32 and (40 or 24)) or save_a_mask" &
+  # BatchNorm's backward reading a channel slice of dy where it lies (both layouts,
+  # aligned and not, both memory modes)
+  san san_bn_layouts memcheck "${NC[@]}" -- tests/test_batchnorm_layouts.py \
+    -m gpu -k "channel_slice_equals and float32" &
   # the fused convolution: masks over broken and whole words, both layouts, odd shapes,
   # the row seams, y at every offset in a 16-byte unit, strided inputs, the
   # training forward's mask zeroed by a driver call, the tensor-map paths (sm_90a)

@@ -113,6 +113,18 @@ def _cpu_conv_bias_check_dropped():
         module._check = lambda x, w, b, *a: real(x, w, None, *a)
 
 
+def _cpu_bn_grid_unrounded():
+    from cupy_act import _batchnorm
+
+    _batchnorm.elementwise_blocks = lambda s, width, cap: min(max(1, s.n // width // 256), cap)
+
+
+def _cpu_bn_lowering_dropped():
+    from cupy_act.torch import _bn_lowering
+
+    _bn_lowering.register = lambda: False
+
+
 _CPU = {
     "slope_ignored": _cpu_slope_ignored,
     "bias_grad_scaled": _cpu_bias_grad_scaled,
@@ -122,6 +134,8 @@ _CPU = {
     "launcher_checks_dropped": _cpu_launcher_checks_dropped,
     "conv_dilation_ignored": _cpu_conv_dilation_ignored,
     "conv_bias_check_dropped": _cpu_conv_bias_check_dropped,
+    "bn_grid_unrounded": _cpu_bn_grid_unrounded,
+    "bn_lowering_dropped": _cpu_bn_lowering_dropped,
 }
 
 ELEMENTWISE_CPU = (
@@ -159,6 +173,13 @@ MUTANTS = [
            ("mismatch", "bias"),
            ("tests/test_mismatched_inputs.py", "tests/test_conv.py", "-k",
             "conv and (mismatch or errors)")),
+    Mutant("bn_grid_unrounded", "batchnorm", "cpu",
+           "channels-last elementwise grids not rounded to whole rows per trip",
+           ("keep_their_channels",), ("tests/test_batchnorm_layouts.py", "-k", "not cuda")),
+    Mutant("bn_lowering_dropped", "batchnorm", "cpu",
+           "Inductor lowers the BatchNorm ops as plain fallbacks (dy and the residual in "
+           "whatever order it picks)", ("order",),
+           ("tests/test_batchnorm_layouts.py", "-m", "slow", "-k", "inductor")),
     # ---- GPU: kernel sources ----
     Mutant("gpu_slope_ignored", "elementwise", "gpu",
            "the LeakyReLU functor multiplies by 0.01, not the slope", ("leaky", "slope"),
@@ -199,6 +220,15 @@ MUTANTS = [
            ("tests/test_syncbatchnorm.py", "-k", "statistics and cuda"),
            (("batchnorm.cu", "bn_finish_stats(p, c, a, b, p.partial[2 * p.channels]);",
              "bn_finish_stats(p, c, a, b, bn_count(p));"),)),
+    Mutant("gpu_dy_slice_read_dense", "batchnorm", "gpu",
+           "the backward reads a channel slice of dy as if it were dense (its skip ignored)",
+           ("slice",), ("tests/test_batchnorm_layouts.py", "-k", "channel_slice_equals"),
+           (("batchnorm.cu", "bn_load<T, V>(p.dy, i + outer * p.dy_skip, d);",
+             "bn_load<T, V>(p.dy, i, d);"),
+            ("batchnorm.cu", "bn_accumulate<T, V, P, A, 1>(p, i, i + img * p.dy_skip,",
+             "bn_accumulate<T, V, P, A, 1>(p, i, i,"),
+            ("batchnorm.cu", "bn_accumulate<T, V, P, A, V>(p, i, i + r * p.dy_skip,",
+             "bn_accumulate<T, V, P, A, V>(p, i, i,"))),
     Mutant("gpu_conv_dilation_ignored", "conv", "gpu",
            "the convolution's patch rows and columns ignore the dilation", ("dilation",),
            ("tests/test_conv.py", "-k", "forward_with_dilation"),

@@ -136,14 +136,14 @@ def _dz_xhat(src, gy, mask, w, b, stats, r, s, mode):
     return g, xhat
 
 
-def _grad_sums(src, gy, mask, w, b, stats, r, s, mode, need_w, need_b):
+def _grad_sums(src, gy, mask, w, b, stats, r, s, mode, need_w, need_b, skip=0):
     dz, xhat = _dz_xhat(src, gy, mask, w, b, stats, r, s, mode)
     sdz, sdzx = dz.sum((0, 2, 3)), (dz * xhat).sum((0, 2, 3))
     sums = torch.stack([sdz, sdzx], 1).flatten()
     return sums, sdzx.float() if need_w else None, sdz.float() if need_b else None
 
 
-def _backward(src, gy, mask, w, b, stats, r, s, mode, sums, need_r):
+def _backward(src, gy, mask, w, b, stats, r, s, mode, sums, need_r, skip=0):
     c = s.channels
     dz, xhat = _dz_xhat(src, gy, mask, w, b, stats, r, s, mode)
     n, invstd = stats[2 * c], stats[c : 2 * c].view(1, -1, 1, 1)

@@ -61,6 +61,51 @@ def arranged(t, channels_last: bool):
     return None if t is None else _impl.arrange(t, channels_last)
 
 
+def _row_pitch(sizes, strides, inner: int) -> int | None:
+    """The stride between consecutive blocks of ``inner`` elements where the
+    dims (``sizes``, ``strides``, innermost first) walk them one after
+    another at one pitch (1 where there is at most one block), else None."""
+    pitch, span = None, 1
+    for size, stride in zip(sizes, strides):
+        if size > 1:
+            if pitch is None:
+                if stride % span:
+                    return None
+                pitch = stride // span
+            if stride != pitch * span:
+                return None
+        span *= size
+    return inner if pitch is None else pitch
+
+
+def skipped(gy: torch.Tensor, channels_last: bool) -> tuple[torch.Tensor, int]:
+    """(gy, skip) for a backward's dy: gy itself where it is dense in the
+    kernels' layout but for a wider pitch between its rows of C values
+    (channels-last) or its samples (NCHW), as a channel slice of a
+    concatenation's gradient is, with ``skip`` the extra elements per row or
+    sample; else gy in that layout (a copy unless it is already) and 0."""
+    n, c, h, w = gy.shape
+    st = gy.stride()
+    if channels_last:
+        inner_ok, block = c <= 1 or st[1] == 1, c
+        pitch = _row_pitch((w, h, n), (st[3], st[2], st[0]), c)
+    else:
+        block = c * h * w
+        inner_ok = all(size <= 1 or st[d] == want
+                       for d, size, want in ((3, w, 1), (2, h, w), (1, c, h * w)))  # fmt: skip
+        pitch = _row_pitch((n,), (st[0],), block)
+    if inner_ok and pitch is not None and pitch >= block and gy.numel():
+        return gy, pitch - block
+    return arranged(gy, channels_last), 0
+
+
+def _dy(gy: torch.Tensor, skip: int) -> tuple[int, int]:
+    """(address, bytes to the end of its storage) of a dy read with ``skip``."""
+    if not skip:
+        return gy.data_ptr(), _nbytes(gy)
+    return gy.data_ptr(), gy.untyped_storage().nbytes() - gy.storage_offset() * gy.element_size()
+
+
 def shape_of(x: torch.Tensor, act: str, channels_last: bool) -> _bn.Shape:
     shape = x.shape
     return _bn.shape(
@@ -196,26 +241,29 @@ def backward(src, gy, mask, weight, bias, stats, residual, s: _bn.Shape, mode: M
              need_w: bool, need_b: bool, need_r: bool):  # fmt: skip
     """(dx, gw, gb, gr) from the upstream gradient: ``src`` is the forward's x,
     or its y in the in-place mode (with the forward's ``residual``, which its
-    inversion subtracts); gw, gb, gr None where not needed."""
+    inversion subtracts); gw, gb, gr None where not needed. ``gy`` is read
+    where it lies if ``skipped`` allows, else arranged in src's layout."""
     cl = s.channels_last
-    gy = arranged(gy, cl)
+    gy, skip = skipped(gy, cl)
     residual = arranged(residual, cl) if mode.inplace else None
     dev = src.device
     dx = torch.empty_like(src)
     gr = torch.empty_like(src) if need_r else None
     pointers = src.data_ptr() | gy.data_ptr() | dx.data_ptr() | _ptr(gr) | _ptr(residual)
+    pointers |= skip * gy.element_size()  # (16-byte vectors: every row or sample aligned)
     ps = _bn.prepare(s, pointers, _backward_pass(mode))
     gw, gb = _grads(s.channels, dev, need_w, need_b)
     work = torch.empty(ps.work, dtype=torch.float64, device=dev)
     stream = _impl._raw_stream(s.device)
     counters, counted, _keep = arrivals(s, stream, dev)
     b, have = bind(
-        x=src, dy=gy, y=dx, mask=mask, weight=weight, bias=bias, mean=at(stats, 0),
+        x=src, dy=_dy(gy, skip), y=dx, mask=mask, weight=weight, bias=bias,
+        mean=at(stats, 0),
         invstd=at(stats, 4 * s.channels), partial=work, grad_weight=gw, grad_bias=gb,
         coef=at(work, ps.coef), arrivals=(counters, counted), residual=residual,
         grad_residual=gr,
     )  # fmt: skip
-    _bn.run(ps, stream, b, have, 0.0, 0.0, mode.slope, _flags(mode))
+    _bn.run(ps, stream, b, have, 0.0, 0.0, mode.slope, _flags(mode), skip)
     return dx, gw, gb, gr
 
 
@@ -230,7 +278,8 @@ def update_running(running_mean, running_var, stats, s: _bn.Shape, momentum: flo
 # ---- synchronized BatchNorm: local sums, then (after the caller's all-reduce) the rest ----
 
 
-def _sums(s: _bn.Shape, x, pointers: int, which: str, mode: Mode, n: int, **arrays):
+def _sums(s: _bn.Shape, x, pointers: int, which: str, mode: Mode, n: int, dy_skip: int = 0,
+          **arrays):  # fmt: skip
     """The local pass ``which`` ("*_local"): each channel's sums into a new
     float64 tensor of ``n`` doubles (zeros where x is empty)."""
     dev = x.device
@@ -243,7 +292,7 @@ def _sums(s: _bn.Shape, x, pointers: int, which: str, mode: Mode, n: int, **arra
     counters, counted, _keep = arrivals(s, stream, dev)
     b, have = bind(x=x, partial=work, arrivals=(counters, counted), moments=sums, **arrays)
     flags = _bn.SUMS | (_flags(mode) if which.startswith("backward") else 0)
-    _bn.run(ps, stream, b, have, 0.0, 0.0, mode.slope, flags)
+    _bn.run(ps, stream, b, have, 0.0, 0.0, mode.slope, flags, dy_skip)
     return sums
 
 
@@ -276,20 +325,21 @@ def sync_forward(x, weight, bias, residual, running_mean, running_var, count, fa
 
 
 def sync_grad_sums(src, gy, mask, weight, bias, stats, residual, s: _bn.Shape, mode: Mode,
-                   need_w: bool, need_b: bool):  # fmt: skip
+                   need_w: bool, need_b: bool, skip: int = 0):  # fmt: skip
     """A synchronized backward's first half: (sums, gw, gb), sums holding
     the local sum dz and sum dz * xhat per channel ([C][2] float64, for the
     caller to all-reduce), gw and gb the local weight and bias gradients
-    (zeros where x is empty; None where not needed). ``gy`` and ``residual``
-    in x's layout (``arranged``)."""
+    (zeros where x is empty; None where not needed). ``gy`` and ``skip`` as
+    ``skipped`` gives them, ``residual`` in x's layout (``arranged``)."""
     gw, gb = _grads(s.channels, src.device, need_w, need_b)
     if s.n == 0:
         for g in (gw, gb):
             if g is not None:
                 g.zero_()
-    pointers = src.data_ptr() | gy.data_ptr() | _ptr(residual)
+    pointers = src.data_ptr() | gy.data_ptr() | _ptr(residual) | skip * gy.element_size()
     sums = _sums(
-        s, src, pointers, _backward_pass(mode) + "_local", mode, 2 * s.channels, dy=gy,
+        s, src, pointers, _backward_pass(mode) + "_local", mode, 2 * s.channels, skip,
+        dy=_dy(gy, skip),
         mask=mask, weight=weight, bias=bias, mean=at(stats, 0), invstd=at(stats, 4 * s.channels),
         grad_weight=gw, grad_bias=gb, residual=residual,
     )  # fmt: skip
@@ -297,17 +347,18 @@ def sync_grad_sums(src, gy, mask, weight, bias, stats, residual, s: _bn.Shape, m
 
 
 def sync_backward(src, gy, mask, weight, bias, stats, residual, s: _bn.Shape, mode: Mode,
-                  sums, need_r: bool):  # fmt: skip
+                  sums, need_r: bool, skip: int = 0):  # fmt: skip
     """Its second half, from the group's totals (``sums`` all-reduced): (dx, gr)."""
     dx = torch.empty_like(src)
     gr = torch.empty_like(src) if need_r else None
     pointers = src.data_ptr() | gy.data_ptr() | dx.data_ptr() | _ptr(gr) | _ptr(residual)
+    pointers |= skip * gy.element_size()
     ps = _bn.prepare(s, pointers, _backward_pass(mode) + "_sync")
     c = s.channels
     coef = torch.empty(2 * c, dtype=torch.float64, device=src.device)
     b, have = bind(
-        x=src, dy=gy, y=dx, mask=mask, weight=weight, bias=bias, **_stats_at(stats, c, ps),
-        partial=sums, coef=coef, residual=residual, grad_residual=gr,
+        x=src, dy=_dy(gy, skip), y=dx, mask=mask, weight=weight, bias=bias,
+        **_stats_at(stats, c, ps), partial=sums, coef=coef, residual=residual, grad_residual=gr,
     )  # fmt: skip
-    _bn.run(ps, _impl._raw_stream(s.device), b, have, 0.0, 0.0, mode.slope, _flags(mode))
+    _bn.run(ps, _impl._raw_stream(s.device), b, have, 0.0, 0.0, mode.slope, _flags(mode), skip)
     return dx, gr

@@ -34,7 +34,10 @@ hands the op its tensors in the layout it chose (channels-last after its
 convolutions) instead of copying them to the traced strides. Each op walks a
 dense channels-last input channels-last and anything else in C order
 (copying what is neither), and every output's size depends on the input's
-shape alone: the fake kernels size them for whatever layout arrives.
+shape alone: the fake kernels size them for whatever layout arrives. Under
+Inductor, each op's own lowering (``_bn_lowering``) asks for dy and the
+residual in the first input's order, and the backward reads a channel slice
+of dy where it lies (``_bn_kernels.skipped``).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from torch import Tensor
 
 from .. import _batchnorm as _bn
 from . import _bn_kernels as _K
-from . import _impl
+from . import _bn_lowering, _impl
 
 _FLEXIBLE = tuple(t for t in (getattr(torch.Tag, "flexible_layout", None),) if t is not None)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -170,6 +173,7 @@ def _forward_impl(x, weight, bias, residual, running_mean, running_var, eps, act
 
 def _forward_fake(x, weight, bias, residual, running_mean, running_var, eps, act, slope,
                   evaluate, from_output, grad):  # fmt: skip
+    _bn_lowering.register()  # (Inductor traces the fakes before it lowers)
     _check_forward(
         x, weight, bias, residual, running_mean, running_var, act, slope, evaluate, from_output
     )
@@ -230,6 +234,7 @@ def _backward_impl(src, dy, mask, weight, bias, stats, residual, act, slope, eva
 
 def _backward_fake(src, dy, mask, weight, bias, stats, residual, act, slope, evaluate,
                    from_output, need_weight, need_bias, need_residual):  # fmt: skip
+    _bn_lowering.register()
     _check_backward(src, dy, mask, weight, bias, stats, residual, act, slope, from_output)
     return _grads_like(src, need_weight, need_bias, need_residual)
 

@@ -168,15 +168,15 @@ class SyncFusedBatchNormAct(torch.autograd.Function):
         src, weight, bias, stats, mask, residual = ctx.saved_tensors
         s, mode, group = ctx.args
         needs = ctx.needs_input_grad
-        gy = _K.arranged(gy, s.channels_last)
+        gy, skip = _K.skipped(gy, s.channels_last)
         sums, gw, gb = _K.sync_grad_sums(
-            src, gy, mask, weight, bias, stats, residual, s, mode, needs[1], needs[2]
+            src, gy, mask, weight, bias, stats, residual, s, mode, needs[1], needs[2], skip
         )
         dx = gr = None
         if needs[0] or needs[3]:
             dist.all_reduce(sums, group=group)
             dx, gr = _K.sync_backward(
-                src, gy, mask, weight, bias, stats, residual, s, mode, sums, needs[3]
+                src, gy, mask, weight, bias, stats, residual, s, mode, sums, needs[3], skip
             )
         return dx, gw, gb, gr, None, None, None, None, None, None, None
 
