@@ -66,8 +66,8 @@ def _install(lowering, op, lead: str, followers: tuple[str, ...]) -> None:
     names = [a.name for a in op._schema.arguments]
     fallback = lowering.fallback_handler(op)
 
-    def lower(*args, **kwargs):
-        args = list(args)
+    def lower(*given, **kwargs):
+        args = list(given)
 
         def get(name):
             i = names.index(name)
