@@ -77,3 +77,30 @@ def run_json(script: str, args, out: Path, timeout: int = 900):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return json.loads(out.read_text())
+
+
+def record_bn_launches(monkeypatch) -> list:
+    """BatchNorm launches recorded, not made: (kernel name, the packed
+    parameter fields) per launch, on CPU tensors (kernels, SM count, stream,
+    counters stubbed; the prepared passes and plans start empty)."""
+    from types import SimpleNamespace
+
+    from cupy_act import _batchnorm
+    from cupy_act.torch import _bn_kernels, _impl
+
+    launched: list = []
+
+    def run_all(launches, threads, stream, argv):
+        fields = _batchnorm._PARAMS.unpack(_batchnorm._scratch.buf.raw)
+        launched.extend((name, fields) for name, _, _ in launches)
+
+    monkeypatch.setattr(_batchnorm, "_kernel", lambda d, t, name: SimpleNamespace(ptr=name, ctx=0))
+    monkeypatch.setattr(_batchnorm._launch, "run_all", run_all)
+    monkeypatch.setattr(_batchnorm, "_passes", {})
+    monkeypatch.setattr(_batchnorm, "_plans", {})
+    monkeypatch.setitem(_batchnorm._sms, None, 132)
+    monkeypatch.setattr(_impl, "_raw_stream", lambda device: 5)
+    monkeypatch.setattr(_bn_kernels, "_capturing", lambda: False)
+    monkeypatch.setattr(_bn_kernels, "_arrival_sets", {})
+    monkeypatch.setattr(_bn_kernels, "_new_set", lambda device: 4096)
+    return launched

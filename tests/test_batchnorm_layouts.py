@@ -4,9 +4,9 @@ as in CSP networks), and the channels-last elementwise grids that keep each
 thread on its channels. Launch plans on the CPU; the kernels with ``gpu``."""
 
 import copy
-from types import SimpleNamespace
 
 import pytest
+from conftest import record_bn_launches
 
 torch = pytest.importorskip("torch")
 
@@ -71,26 +71,6 @@ def test_other_strides_are_copied_to_the_kernels_layout(make, layout):
     assert got.is_contiguous(memory_format=fmt) and torch.equal(got, gy)
 
 
-def _recording(monkeypatch):
-    """Launches recorded (kernel names and the packed parameters), not made."""
-    launched = []
-
-    def run_all(launches, threads, stream, argv):
-        fields = _batchnorm._PARAMS.unpack(_batchnorm._scratch.buf.raw)
-        launched.extend((name, fields) for name, _, _ in launches)
-
-    monkeypatch.setattr(_batchnorm, "_kernel", lambda d, t, name: SimpleNamespace(ptr=name, ctx=0))
-    monkeypatch.setattr(_batchnorm._launch, "run_all", run_all)
-    monkeypatch.setattr(_batchnorm, "_passes", {})
-    monkeypatch.setattr(_batchnorm, "_plans", {})
-    monkeypatch.setitem(_batchnorm._sms, None, 132)
-    monkeypatch.setattr(_impl, "_raw_stream", lambda device: 5)
-    monkeypatch.setattr(K, "_capturing", lambda: False)
-    monkeypatch.setattr(K, "_arrival_sets", {})
-    monkeypatch.setattr(K, "_new_set", lambda device: 4096)
-    return launched
-
-
 _DY, _SKIP = _batchnorm.Buffers._fields.index("dy"), 19 + 4  # (after 19 pointers, 4 counts)
 
 
@@ -100,7 +80,7 @@ def test_backward_launch_reads_the_slice(layout, before, width, monkeypatch):
     """The backward's launches get the slice's own address and its skip, and
     16-byte vectors only where every row or sample of it is aligned (NCHW
     with vectors: planes are whole vectors, so every channel slice is)."""
-    launched = _recording(monkeypatch)
+    launched = record_bn_launches(monkeypatch)
     shape = (4, 8, 6, 6)
     x = _in(layout, torch.randn(shape))
     mode = K.Mode("leaky_relu", 0.1, False, False, True)
@@ -120,7 +100,7 @@ def test_a_skip_past_the_buffer_is_refused(layout, monkeypatch):
     """The dy a skipped pass indexes grows by the skip per row (channels-last)
     or sample (NCHW) but the last: a buffer one byte short of that is
     refused before the launch, one that holds it launches."""
-    launched = _recording(monkeypatch)
+    launched = record_bn_launches(monkeypatch)
     s = _batchnorm.shape(None, "float32", "relu", layout == "cl", 2 * 8 * 3 * 3, 9, 8)
     ps = _batchnorm.prepare(s, 256, "backward")
     b = _batchnorm.Buffers(*[256] * 19)

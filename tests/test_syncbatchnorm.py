@@ -176,29 +176,12 @@ def test_launch_plan_of_the_synchronized_passes(shape, layout, memory, monkeypat
     finishing passes read the totals and keep the count after the moments;
     every buffer as large as its pass indexes (an empty batch launches no
     local pass); a sums buffer without the count is refused before any launch."""
-    from types import SimpleNamespace
+    from conftest import record_bn_launches
 
     from cupy_act import _batchnorm, _launch
     from cupy_act.torch import _bn_kernels as K
-    from cupy_act.torch import _impl
 
-    launched = []
-
-    def run_all(launches, threads, stream, argv):
-        fields = _batchnorm._PARAMS.unpack(_batchnorm._scratch.buf.raw)
-        buffers = _batchnorm.Buffers(*fields[:19])
-        launched.extend(
-            (p.split("<")[0].split("::")[1], buffers, fields[-1]) for p, _, _ in launches
-        )
-
-    monkeypatch.setattr(_batchnorm, "_kernel", lambda d, t, name: SimpleNamespace(ptr=name, ctx=0))
-    monkeypatch.setattr(_batchnorm._launch, "run_all", run_all)
-    monkeypatch.setattr(_batchnorm, "_passes", {})
-    monkeypatch.setitem(_batchnorm._sms, None, 132)
-    monkeypatch.setattr(_impl, "_raw_stream", lambda device: 5)
-    monkeypatch.setattr(K, "_capturing", lambda: False)
-    monkeypatch.setattr(K, "_arrival_sets", {})
-    monkeypatch.setattr(K, "_new_set", lambda device: 4096)
+    recorded = record_bn_launches(monkeypatch)
     inplace = memory == "inplace"
     mode = K.Mode("leaky_relu", 0.1, False, inplace, True)
     x = torch.randn(shape)
@@ -216,6 +199,10 @@ def test_launch_plan_of_the_synchronized_passes(shape, layout, memory, monkeypat
     assert gsums.numel() == 2 * c and dx.shape == x.shape and (gw.numel(), gb.numel()) == (c, c)
     finish = ["bn_finalize"] if s.channels_last else []
     local = [] if x.numel() == 0 else ["bn_reduce", *finish]
+    launched = [
+        (name.split("<")[0].split("::")[1], _batchnorm.Buffers(*f[:19]), f[-1])
+        for name, f in recorded
+    ]
     names = [n for n, _, _ in launched]
     assert names == local + ["bn_finish_sums", "bn_forward"] + local + [
         "bn_finish_sums",

@@ -98,8 +98,8 @@ def _order(ir, node):
         return None
     try:
         layout = node.get_layout()
-    except Exception:  # (a node without a layout yet, or another torch's IR)
+        if not isinstance(layout, ir.FixedLayout):
+            return None
+        return ir.get_stride_order(layout.stride)
+    except Exception:  # (a node without a layout yet, strides it cannot order, another IR)
         return None
-    if not isinstance(layout, ir.FixedLayout):
-        return None
-    return ir.get_stride_order(layout.stride)
