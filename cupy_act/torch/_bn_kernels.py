@@ -84,6 +84,9 @@ def skipped(gy: torch.Tensor, channels_last: bool) -> tuple[torch.Tensor, int]:
     (channels-last) or its samples (NCHW), as a channel slice of a
     concatenation's gradient is, with ``skip`` the extra elements per row or
     sample; else gy in that layout (a copy unless it is already) and 0."""
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    if gy.is_contiguous(memory_format=fmt):  # (the usual dy: no strides to read)
+        return gy, 0
     n, c, h, w = gy.shape
     st = gy.stride()
     if channels_last:
