@@ -150,10 +150,13 @@ __device__ __forceinline__ float bn_act_grad(float dy, bool bit, float slope) {
 }
 
 // From the output (identity, or LeakyReLU with slope > 0): y > 0 exactly where
-// t > 0, and t = y / slope elsewhere.
+// t > 0, and t = y / slope elsewhere, taken as y * inv_slope (inv_slope = 1 /
+// slope rounded: one rounding more than the division, within the in-place
+// gradients' bound, where IEEE division's ten-odd instructions per element
+// made the in-place reduction the slowest pass).
 template <int A>
-__device__ __forceinline__ float bn_unact(float y, float slope) {
-  return (A == kLeaky && !(y > 0.f)) ? __fdiv_rn(y, slope) : y;
+__device__ __forceinline__ float bn_unact(float y, float inv_slope) {
+  return (A == kLeaky && !(y > 0.f)) ? y * inv_slope : y;
 }
 
 // The V mask bits of the vector at element i (i % V == 0, so one word holds them).
@@ -168,7 +171,8 @@ __device__ __forceinline__ u32 bn_bits(const BnParams& p, long long i) {
 // scl = 1 / w).
 template <int P, int A>
 __device__ __forceinline__ void bn_term(float v, float dy, bool bit, float r, float ctr,
-                                        float scl, float slope, double& a, double& b) {
+                                        float scl, float slope, float inv_slope, double& a,
+                                        double& b) {
   if (P == kStats) {
     a += v;
     b += (double)v * v;
@@ -176,7 +180,7 @@ __device__ __forceinline__ void bn_term(float v, float dy, bool bit, float r, fl
   }
   if (P == kGradFromOutput) {
     bit = A == kIdentity || v > 0.f;
-    v = bn_unact<A>(v, slope) - r;
+    v = bn_unact<A>(v, inv_slope) - r;
   }
   const float dz = bn_act_grad<A>(dy, bit, slope);
   a += dz;
@@ -195,23 +199,55 @@ __device__ __forceinline__ void bn_center(const BnParams& p, long long c, float&
   }
 }
 
-// The V elements of one vector (element i of x, dyi of dy) into the
-// accumulators (a, b: one pair per element's channel, or all into [0] when the
-// vector is one channel's).
+// One vector of each input as loaded (16 bytes, or one element): the
+// reductions load several before summing any, so that their loads are in
+// flight together.
+template <typename T, int V>
+union BnRaw {
+  Raw16 raw;
+  T e[V];
+};
+
+template <typename T, int V>
+struct BnIn {
+  BnRaw<T, V> x, dy, r;
+  u32 bits;
+};
+
+template <typename T, int V>
+__device__ __forceinline__ void bn_load_raw(const void* p, long long i, BnRaw<T, V>& out) {
+  if constexpr (V == 1)
+    out.e[0] = static_cast<const T*>(p)[i];
+  else
+    out.raw = load16(static_cast<const T*>(p) + i);
+}
+
+// What pass P reads of the vector at element i of x (dyi of dy).
+template <typename T, int V, int P, int A>
+__device__ __forceinline__ void bn_fetch(const BnParams& p, long long i, long long dyi,
+                                         BnIn<T, V>& in) {
+  bn_load_raw<T, V>(p.x, i, in.x);
+  in.bits = ~0u;
+  if (P != kStats) bn_load_raw<T, V>(p.dy, dyi, in.dy);
+  if (P == kGrad) in.bits = bn_bits<A>(p, i);
+  if (P == kGradFromOutput && p.residual != nullptr) bn_load_raw<T, V>(p.residual, i, in.r);
+}
+
+// A fetched vector's V elements into the accumulators (a, b: one pair per
+// element's channel, or all into [0] when the vector is one channel's).
 template <typename T, int V, int P, int A, int K>
-__device__ __forceinline__ void bn_accumulate(const BnParams& p, long long i, long long dyi,
-                                              const float (&ctr)[K], const float (&scl)[K],
-                                              double (&a)[K], double (&b)[K]) {
-  float v[V], d[V] = {}, r[V] = {};
-  bn_load<T, V>(p.x, i, v);
-  u32 bits = ~0u;
-  if (P != kStats) bn_load<T, V>(p.dy, dyi, d);
-  if (P == kGrad) bits = bn_bits<A>(p, i);
-  if (P == kGradFromOutput && p.residual != nullptr) bn_load<T, V>(p.residual, i, r);
+__device__ __forceinline__ void bn_add(const BnParams& p, const BnIn<T, V>& in,
+                                       const float (&ctr)[K], const float (&scl)[K],
+                                       double (&a)[K], double (&b)[K]) {
+  const bool residual = P == kGradFromOutput && p.residual != nullptr;
+  const float inv_slope = __frcp_rn(p.slope);  // (hoisted out of the callers' loops)
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     const int k = K == 1 ? 0 : j;
-    bn_term<P, A>(v[j], d[j], (bits >> j) & 1u, r[j], ctr[k], scl[k], p.slope, a[k], b[k]);
+    const float v = Num<T>::to_op(in.x.e[j]);
+    const float d = P == kStats ? 0.f : Num<T>::to_op(in.dy.e[j]);
+    const float r = residual ? Num<T>::to_op(in.r.e[j]) : 0.f;
+    bn_term<P, A>(v, d, (in.bits >> j) & 1u, r, ctr[k], scl[k], p.slope, inv_slope, a[k], b[k]);
   }
 }
 
@@ -381,7 +417,9 @@ __device__ __forceinline__ void bn_reduce_planes(const BnParams& p) {
     const long long j = k * V;
     const long long img = quot(j, p.inner, p.inv_inner);
     const long long i = (img * p.channels + c) * p.inner + (j - img * p.inner);
-    bn_accumulate<T, V, P, A, 1>(p, i, i + img * p.dy_skip, ctr, scl, a, b);
+    BnIn<T, V> in;
+    bn_fetch<T, V, P, A>(p, i, i + img * p.dy_skip, in);
+    bn_add<T, V, P, A, 1>(p, in, ctr, scl, a, b);
   }
   bn_block_sum(s1, s2, a[0], b[0]);
   __shared__ bool last;
@@ -402,10 +440,17 @@ __device__ __forceinline__ void bn_reduce_planes(const BnParams& p) {
 // Channels-last: a block holds a tile of W = min(C / V, 32) vector columns
 // (V consecutive channels each, blockIdx.y the tile) by R = 256 / W rows, so
 // a warp reads whole stretches of rows; its threads walk rows split by split,
-// then a fixed-order tree over the R rows.
+// U rows at a time (4 in the statistics, 2 in the gradients, which read two
+// arrays), their loads issued before any is summed: the host launches one
+// wave of blocks at the kernel's occupancy, each a long walk, where short
+// blocks with one load in flight per thread left the memory system idle
+// (half of the copy bandwidth in bfloat16). Then a fixed-order tree over the
+// R rows, one channel of the vector at a time (4 KB of shared memory; it
+// was 32 KB, which held the occupancy down).
+
 template <typename T, int V, int P, int A>
 __device__ __forceinline__ void bn_reduce_rows(const BnParams& p) {
-  __shared__ double s[2][V][kBnThreads];
+  __shared__ double s1[kBnThreads], s2[kBnThreads];
   const long long cols = p.channels / V;
   const int w = (int)(cols < 32 ? cols : 32);
   const int rows_per_block = kBnThreads / w;
@@ -419,40 +464,48 @@ __device__ __forceinline__ void bn_reduce_rows(const BnParams& p) {
     a[j] = b[j] = 0.0;
     if (active) bn_center<P>(p, col * V + j, ctr[j], scl[j]);
   }
+  constexpr int kBnUnroll = P == kStats ? 4 : 2;  // (the gradients load two arrays)
   if (active) {
     const long long rows = p.n / p.channels;
     const long long stride = (long long)gridDim.x * rows_per_block;
-    for (long long r = (long long)blockIdx.x * rows_per_block + tr; r < rows; r += stride) {
+    long long r = (long long)blockIdx.x * rows_per_block + tr;
+    for (; r + (kBnUnroll - 1) * stride < rows; r += kBnUnroll * stride) {
+      BnIn<T, V> in[kBnUnroll];
+#pragma unroll
+      for (int u = 0; u < kBnUnroll; ++u) {
+        const long long ru = r + u * stride, i = ru * p.channels + col * V;
+        bn_fetch<T, V, P, A>(p, i, i + ru * p.dy_skip, in[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kBnUnroll; ++u) bn_add<T, V, P, A, V>(p, in[u], ctr, scl, a, b);
+    }
+    for (; r < rows; r += stride) {
       const long long i = r * p.channels + col * V;
-      bn_accumulate<T, V, P, A, V>(p, i, i + r * p.dy_skip, ctr, scl, a, b);
+      BnIn<T, V> in;
+      bn_fetch<T, V, P, A>(p, i, i + r * p.dy_skip, in);
+      bn_add<T, V, P, A, V>(p, in, ctr, scl, a, b);
     }
   }
+  int top = 1;
+  while (top < rows_per_block) top *= 2;
 #pragma unroll
   for (int j = 0; j < V; ++j) {
-    s[0][j][threadIdx.x] = a[j];
-    s[1][j][threadIdx.x] = b[j];
-  }
-  __syncthreads();
-  int h = 1;
-  while (h < rows_per_block) h *= 2;
-  for (h /= 2; h > 0; h /= 2) {
-    if (tr < h && tr + h < rows_per_block && col < cols) {
-      const int other = threadIdx.x + h * w;
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        s[0][j][threadIdx.x] += s[0][j][other];
-        s[1][j][threadIdx.x] += s[1][j][other];
-      }
-    }
+    s1[threadIdx.x] = a[j];
+    s2[threadIdx.x] = b[j];
     __syncthreads();
-  }
-  if (tr == 0 && col < cols) {
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      double* out = p.partial + ((col * V + j) * p.splits + blockIdx.x) * 2;
-      out[0] = s[0][j][threadIdx.x];
-      out[1] = s[1][j][threadIdx.x];
+    for (int h = top / 2; h > 0; h /= 2) {
+      if (tr < h && tr + h < rows_per_block && col < cols) {
+        s1[threadIdx.x] += s1[threadIdx.x + h * w];
+        s2[threadIdx.x] += s2[threadIdx.x + h * w];
+      }
+      __syncthreads();
     }
+    if (tr == 0 && col < cols) {
+      double* out = p.partial + ((col * V + j) * p.splits + blockIdx.x) * 2;
+      out[0] = s1[threadIdx.x];
+      out[1] = s2[threadIdx.x];
+    }
+    __syncthreads();  // (s1, s2 read before the next channel's values overwrite them)
   }
 }
 
@@ -522,8 +575,12 @@ __device__ __forceinline__ void bn_coefs(const BnParams& p, long long first, flo
   }
 }
 
-// Each warp takes 32 consecutive vectors per trip; the G = 32 / V lanes that
-// share a mask word OR their V bits together (V = 1: one ballot).
+// Each warp takes 32 consecutive vectors per trip, kBnFwdUnroll trips at a
+// time (their loads issued first: one load in flight per thread left the
+// pass short of the copy bandwidth); the G = 32 / V lanes that share a mask
+// word OR their V bits together (V = 1: one ballot).
+constexpr int kBnFwdUnroll = 2;
+
 template <typename T, bool CL, int V, int A>
 __global__ void __launch_bounds__(kBnThreads) bn_forward(const BnParams p) {
   constexpr int G = 32 / V;
@@ -534,37 +591,49 @@ __global__ void __launch_bounds__(kBnThreads) bn_forward(const BnParams p) {
   const bool masked = A != kIdentity && p.mask != nullptr;
   float4 q[V];
   bn_coefs<CL, V>(p, (warp * 32 + lane) * V, q);
-  for (long long base = warp * 32; base < vectors; base += warps * 32) {
-    const long long k = base + lane;
-    u32 bits = 0;
-    if (k < vectors) {
-      const long long i = k * V;
-      float v[V], r[V] = {};
-      bn_load<T, V>(p.x, i, v);
-      if (p.residual != nullptr) bn_load<T, V>(p.residual, i, r);
-      if (!CL) {
-        long long img;
-        q[0] = p.coef[bn_channel<false>(i, p, img)];
-      }
+  for (long long first = warp * 32; first < vectors; first += warps * 32 * kBnFwdUnroll) {
+    BnRaw<T, V> x[kBnFwdUnroll], res[kBnFwdUnroll];
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const float4& c = q[CL ? j : 0];
-        float t = (v[j] - c.x) * c.y + c.z;
-        if (p.residual != nullptr) t += r[j];  // (not + 0 without one: -0 stays -0)
-        bits |= (u32)bn_bit<A>(t) << j;
-        v[j] = bn_act<A>(t, p.slope);
+    for (int u = 0; u < kBnFwdUnroll; ++u) {
+      const long long k = first + u * warps * 32 + lane;
+      if (k < vectors) {
+        bn_load_raw<T, V>(p.x, k * V, x[u]);
+        if (p.residual != nullptr) bn_load_raw<T, V>(p.residual, k * V, res[u]);
       }
-      bn_store<T, V>(p.y, i, v);
     }
-    if (masked) {
-      if constexpr (V == 1) {
-        const u32 word = __ballot_sync(0xffffffffu, bits);
-        if (lane == 0) p.mask[base >> 5] = word;
-      } else {
-        bits <<= (lane % G) * V;
 #pragma unroll
-        for (int o = 1; o < G; o *= 2) bits |= __shfl_xor_sync(0xffffffffu, bits, o);
-        if (lane % G == 0 && k < vectors) p.mask[k / G] = bits;
+    for (int u = 0; u < kBnFwdUnroll; ++u) {
+      const long long base = first + u * warps * 32;
+      if (base >= vectors) break;  // (the same for the whole warp)
+      const long long k = base + lane;
+      u32 bits = 0;
+      if (k < vectors) {
+        const long long i = k * V;
+        if (!CL) {
+          long long img;
+          q[0] = p.coef[bn_channel<false>(i, p, img)];
+        }
+        float v[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          const float4& c = q[CL ? j : 0];
+          float t = (Num<T>::to_op(x[u].e[j]) - c.x) * c.y + c.z;
+          if (p.residual != nullptr) t += Num<T>::to_op(res[u].e[j]);  // (not + 0: -0 stays -0)
+          bits |= (u32)bn_bit<A>(t) << j;
+          v[j] = bn_act<A>(t, p.slope);
+        }
+        bn_store<T, V>(p.y, i, v);
+      }
+      if (masked) {
+        if constexpr (V == 1) {
+          const u32 word = __ballot_sync(0xffffffffu, bits);
+          if (lane == 0) p.mask[base >> 5] = word;
+        } else {
+          bits <<= (lane % G) * V;
+#pragma unroll
+          for (int o = 1; o < G; o *= 2) bits |= __shfl_xor_sync(0xffffffffu, bits, o);
+          if (lane % G == 0 && k < vectors) p.mask[k / G] = bits;
+        }
       }
     }
   }
@@ -576,6 +645,7 @@ __global__ void __launch_bounds__(kBnThreads) bn_backward(const BnParams p) {
   const long long stride = (long long)gridDim.x * kBnThreads;
   const bool eval = p.flags & kEval;
   const long long first = (long long)blockIdx.x * kBnThreads + threadIdx.x;
+  const float inv_slope = __frcp_rn(p.slope);
   float4 q[V];
   bn_coefs<CL, V>(p, first * V, q);
   for (long long k = first; k < vectors; k += stride) {
@@ -597,7 +667,7 @@ __global__ void __launch_bounds__(kBnThreads) bn_backward(const BnParams p) {
       float z = v[j];
       if (Out) {
         bit = A == kIdentity || z > 0.f;
-        z = bn_unact<A>(z, p.slope) - r[j];
+        z = bn_unact<A>(z, inv_slope) - r[j];
       }
       const float dz = bn_act_grad<A>(d[j], bit, p.slope);
       d[j] = dz;

@@ -61,6 +61,7 @@ class _Kernel(NamedTuple):
     ptr: int
     ctx: int
     function: object
+    resident: int = 4  # blocks of THREADS per multiprocessor (the driver's occupancy)
 
 
 _lock = threading.Lock()
@@ -76,8 +77,13 @@ def _kernel(device: int, dtype: str, name: str) -> _Kernel:
     with _lock:
         names = _names(dtype)
         ctx, functions = _loader.load_module(_modules, dtype, SOURCE, names, device)
+        from cupy.cuda import driver
+
         for n, f in zip(names, functions):
-            _kernels[(device, n)] = _Kernel(f.ptr, ctx, f)
+            resident = _launch.in_context(
+                ctx, driver.occupancyMaxActiveBlocksPerMultiprocessor, f.ptr, THREADS, 0
+            )
+            _kernels[(device, n)] = _Kernel(f.ptr, ctx, f, max(1, resident))
     return _kernels[(device, name)]
 
 
@@ -144,30 +150,38 @@ class Plan(NamedTuple):
     splits: int
 
 
-_plans: dict[tuple, Plan] = {}  # (Shape, aligned) -> Plan
+_plans: dict[tuple, Plan] = {}  # (Shape, aligned, resident) -> Plan
 
 
-def plan(s: Shape, pointers: int) -> Plan:
+def plan(s: Shape, pointers: int, resident: int = 4) -> Plan:
     """The pass's plan: 16-byte vectors where the shape allows them and the
     call's array addresses (``pointers``, OR-ed together) are 16-byte aligned;
-    about 32 reduction blocks per multiprocessor over all channels, each
-    block's share at least 2048 elements. Kept per (shape, alignment)."""
+    reduction blocks over all channels: NCHW about 32 per multiprocessor, each
+    block's share at least 2048 elements; channels-last one wave of blocks at
+    ``resident`` per multiprocessor (the reduction kernel's occupancy, which
+    ``prepare`` passes), each block's share at least 8192 elements: each
+    thread walks its rows with several loads in flight, and a part wave
+    (4 blocks per multiprocessor where 3 fit: 1.33 waves) leaves most
+    multiprocessors idle at its end. Kept per (shape, alignment, resident)."""
     aligned = s.vector and not pointers & 15
-    found = _plans.get((s, aligned))
+    key = (s, aligned, resident if s.channels_last else 0)
+    found = _plans.get(key)
     if found is not None:
         return found
     v = VECTOR[s.dtype] if aligned else 1
     if s.channels_last:
         cols = s.channels // v
         tiles = -(-cols // min(cols, 32))
+        per_sm, share = resident, 8192
     else:
         tiles = s.channels
+        per_sm, share = 32, 2048
     per_tile = max(1, s.n // max(tiles, 1))
-    want = max(1, (32 * _sm_count(s.device)) // max(tiles, 1))
-    found = Plan(v, int(max(1, min(want, -(-per_tile // 2048), 65535))))
+    want = max(1, (per_sm * _sm_count(s.device)) // max(tiles, 1))
+    found = Plan(v, int(max(1, min(want, -(-per_tile // share), 65535))))
     if len(_plans) > 4096:  # (shapes that keep changing: start over)
         _plans.clear()
-    _plans[(s, aligned)] = found
+    _plans[key] = found
     return found
 
 
@@ -229,6 +243,9 @@ def prepare(s: Shape, pointers: int, which: str) -> Pass:
     if found is not None:
         return found
     p = plan(s, pointers)
+    reduce = [k for k in PASSES[which][s.channels_last] if k.startswith("reduce")]
+    if s.channels_last and reduce:  # (one wave at the reduction's own occupancy)
+        p = plan(s, pointers, _kernel(s.device, s.dtype, _name(s, p, reduce[0])).resident)
     head = (s.channels + 1) & ~1  # 2 x channels floats, to a 16-byte boundary
     launches = tuple(_launch_of(s, p, k) for k in PASSES[which][s.channels_last])
     counts = (s.n, s.inner, s.channels, p.splits)
@@ -294,35 +311,37 @@ def _refuse(ps: Pass, b: Buffers, have: tuple) -> None:
     )
 
 
+def _name(s: Shape, p: Plan, kernel: str) -> str:
+    """The instantiation of one kernel of a pass (a PASSES entry)."""
+    t, cl, a = CTYPES[s.dtype], "true" if s.channels_last else "false", ACTS[s.act]
+    if kernel in ("finalize_eval", "update_running"):
+        return f"cupy_act::bn_{kernel}"
+    if kernel.startswith(("finish_sums", "finalize")):
+        return f"cupy_act::bn_{kernel[:-1]}<{kernel[-1]}>"
+    if kernel.startswith("reduce"):
+        pass_ = int(kernel[-1])
+        return f"cupy_act::bn_reduce<{t}, {cl}, {p.width}, {pass_}, {a if pass_ else 0}>"
+    if kernel == "forward":
+        return f"cupy_act::bn_forward<{t}, {cl}, {p.width}, {a}>"
+    out = "true" if kernel == "backward_from_output" else "false"
+    return f"cupy_act::bn_backward<{t}, {cl}, {p.width}, {a}, {out}>"
+
+
 def _launch_of(s: Shape, p: Plan, kernel: str) -> tuple:
     """(ptr, ctx, grid) of one kernel of a pass: "finalize<P>" (a block per
     channel), "finalize_eval" / "update_running" / "finish_sums<P>" (a thread
-    per channel), "reduce<P>" (splits x
-    channel tiles) or the elementwise "forward" / "backward" /
-    "backward_from_output" (grid-stride)."""
-    t, cl, a = CTYPES[s.dtype], "true" if s.channels_last else "false", ACTS[s.act]
-    if kernel in ("finalize_eval", "update_running"):
-        name, grid = f"cupy_act::bn_{kernel}", (-(-s.channels // THREADS), 1)
-    elif kernel.startswith("finish_sums"):
-        name, grid = f"cupy_act::bn_finish_sums<{kernel[-1]}>", (-(-s.channels // THREADS), 1)
+    per channel), "reduce<P>" (splits x channel tiles) or the elementwise
+    "forward" / "backward" / "backward_from_output" (grid-stride)."""
+    if kernel in ("finalize_eval", "update_running") or kernel.startswith("finish_sums"):
+        grid = (-(-s.channels // THREADS), 1)
     elif kernel.startswith("finalize"):
-        name, grid = f"cupy_act::bn_finalize<{kernel[-1]}>", (s.channels, 1)
+        grid = (s.channels, 1)
     elif kernel.startswith("reduce"):
-        pass_ = int(kernel[-1])
-        name = f"cupy_act::bn_reduce<{t}, {cl}, {p.width}, {pass_}, {a if pass_ else 0}>"
-        if s.channels_last:
-            cols = s.channels // p.width
-            grid = (p.splits, -(-cols // min(cols, 32)))
-        else:
-            grid = (p.splits, s.channels)
+        cols = s.channels // p.width
+        grid = (p.splits, -(-cols // min(cols, 32)) if s.channels_last else s.channels)
     else:
-        if kernel == "forward":
-            name = f"cupy_act::bn_forward<{t}, {cl}, {p.width}, {a}>"
-        else:
-            out = "true" if kernel == "backward_from_output" else "false"
-            name = f"cupy_act::bn_backward<{t}, {cl}, {p.width}, {a}, {out}>"
         grid = (elementwise_blocks(s, p.width, 16 * _sm_count(s.device)), 1)
-    k = _kernel(s.device, s.dtype, name)
+    k = _kernel(s.device, s.dtype, _name(s, p, kernel))
     return k.ptr, k.ctx, grid
 
 

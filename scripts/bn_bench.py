@@ -1,7 +1,7 @@
 """BatchNorm + LeakyReLU, training forward and forward + backward, at a CNN layer's shape.
 
     PYTHONPATH=. python scripts/bn_bench.py [--shape 32 32 256 256] [--dtype float32]
-        [--channels-last] [--rounds 20] [--neighbour]
+        [--channels-last] [--rounds 20] [--neighbour] [--kernels] [--eager-only]
 
 Candidates, timed interleaved with CUDA events (median): PyTorch eager
 (``nn.BatchNorm2d`` then ``nn.LeakyReLU(0.01, inplace=True)``, timm's
@@ -13,7 +13,9 @@ torch.compile of the module in both memory modes (the ``cupy_act::batchnorm_act`
 ops: ``set_compiled_batchnorm``'s "everywhere"). ``--neighbour`` feeds every
 candidate ``x * 1.5 + 0.5`` instead of x, computed inside the compiled
 functions, where Inductor fuses it into its BatchNorm and cannot into ours:
-the case the "after_conv" policy leaves traced.
+the case the "after_conv" policy leaves traced. ``--kernels`` adds each
+eager candidate's fwd + bwd by kernel (the profiler's device time per call,
+and the bytes over that time the fused kernels' traffic model gives each).
 Forwards run with autograd recording (the weight needs a gradient), as in
 training. The floor is the fused kernels' traffic over the copy bandwidth
 measured in the same run: forward reads x twice (statistics, then
@@ -47,6 +49,8 @@ def main() -> None:
     ap.add_argument("--channels-last", action="store_true")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--neighbour", action="store_true", help="an elementwise op before each")
+    ap.add_argument("--kernels", action="store_true", help="fwd + bwd device time by kernel")
+    ap.add_argument("--eager-only", action="store_true", help="no torch.compile candidates")
     args = ap.parse_args()
     import measure  # (scripts/measure.py, beside this script)
 
@@ -81,9 +85,10 @@ def main() -> None:
 
     models = {"pytorch": theirs, "ours fused": ours, "ours in place": inplace}
     models["ours unfused"] = unfused
-    models["torch.compile"] = compiled
-    models["ours compiled"] = ours_compiled
-    models["ours compiled in place"] = inplace_compiled
+    if not args.eager_only:
+        models["torch.compile"] = compiled
+        models["ours compiled"] = ours_compiled
+        models["ours compiled in place"] = inplace_compiled
 
     def fwd(m):
         if m is inplace:  # (detached: each call's graph ends at its own input)
@@ -127,6 +132,47 @@ def main() -> None:
                 f"  {f / t[k]:5.1%} of its floor's speed",
                 flush=True,
             )
+    if args.kernels:
+        for k in ("pytorch", "ours fused", "ours in place"):
+            print_kernels(k, fwd_bwd(models[k]), size, mask)
+
+
+# Bytes each fused kernel moves per call (element size s, mask bytes m),
+# by the name's kernel and pass: forward reads x (and writes y and the mask),
+# the gradient reductions read x (or y), dy and the mask, dx reads them again
+# and writes dx. (The finalizing launches move next to nothing.)
+def _traffic(name: str, s: int, m: int) -> int | None:
+    if "bn_forward" in name:
+        return 2 * s + m
+    if "bn_backward" in name:
+        return 3 * s + (0 if "true>" in name else m)
+    if "bn_reduce" in name:
+        stage = name.split(",")[3].strip()  # (T, layout, V, pass, act)
+        return {"0": s, "1": 2 * s + m, "2": 2 * s}.get(stage)
+    return None
+
+
+def print_kernels(label: str, step, s: int, m: int, calls: int = 5) -> None:
+    """``step``'s device time per call by kernel, with the fused kernels' GB/s."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        us = e.self_cuda_time_total if us is None else us
+        if us > 0:
+            rows.append((us / calls, e.key))
+    print(f"  {label}, fwd + bwd by kernel (us per call):")
+    for us, name in sorted(rows, reverse=True):
+        nbytes = _traffic(name, s, m)
+        rate = f"{nbytes / us / 1e3:7.0f} GB/s" if nbytes else " " * 12
+        print(f"    {us:8.1f} {rate}  {name[:110]}")
 
 
 if __name__ == "__main__":

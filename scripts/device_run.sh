@@ -154,6 +154,11 @@ if has racecheck; then
   timeout 200 compute-sanitizer --tool racecheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
     tests/test_batchnorm.py -k "nchw_reductions" >> "$OUT/racecheck.log" 2>&1
   echo "rc=$?" >> "$OUT/racecheck.log"
+  # (the channels-last reductions' per-channel trees in shared memory)
+  timeout 200 compute-sanitizer --tool racecheck --kernel-name kns=bn_reduce --error-exitcode 99 \
+    python3 -m pytest -q -p no:cacheprovider tests/test_batchnorm.py \
+    -k "accuracy and float32 and channels_last and (24 or 64)" >> "$OUT/racecheck.log" 2>&1
+  echo "rc=$?" >> "$OUT/racecheck.log"
 fi
 if has bench; then
   timeout ${BENCH_TIMEOUT:-330} python3 scripts/bench.py --out "$OUT/bench" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1

@@ -94,7 +94,9 @@ def record_bn_launches(monkeypatch) -> list:
         fields = _batchnorm._PARAMS.unpack(_batchnorm._scratch.buf.raw)
         launched.extend((name, fields) for name, _, _ in launches)
 
-    monkeypatch.setattr(_batchnorm, "_kernel", lambda d, t, name: SimpleNamespace(ptr=name, ctx=0))
+    monkeypatch.setattr(
+        _batchnorm, "_kernel", lambda d, t, name: SimpleNamespace(ptr=name, ctx=0, resident=4)
+    )
     monkeypatch.setattr(_batchnorm._launch, "run_all", run_all)
     monkeypatch.setattr(_batchnorm, "_passes", {})
     monkeypatch.setattr(_batchnorm, "_plans", {})

@@ -252,7 +252,9 @@ def test_launch_plan(act, channels_last, monkeypatch):
     launched = []
     monkeypatch.setitem(_batchnorm._sms, 0, 132)
     monkeypatch.setattr(
-        _batchnorm, "_kernel", lambda d, t, name: SimpleNamespace(ptr=name, ctx=0, function=None)
+        _batchnorm,
+        "_kernel",
+        lambda d, t, name: SimpleNamespace(ptr=name, ctx=0, function=None, resident=3),
     )
     monkeypatch.setattr(
         _batchnorm._launch,
@@ -267,7 +269,7 @@ def test_launch_plan(act, channels_last, monkeypatch):
     synced = ("forward_local", "forward_sync", "backward_local", "backward_sync")
     for which in ("forward", "backward", "eval", "running", *synced):
         ps = _batchnorm.prepare(s, 256 | 512, which)
-        assert ps.plan == p and ps.moments % 16 == 0 and ps.coef % 16 == 0
+        assert ps.plan.width == p.width and ps.moments % 16 == 0 and ps.coef % 16 == 0
         # (mean and invstd, then the moments, the count and a pad)
         assert ps.moments >= 8 * 48 and ps.stats * 8 == ps.moments + 16 * 48 + 16
         assert ps.work * 8 == ps.coef + 16 * 48  # (partial sums, then coef)
@@ -294,9 +296,14 @@ def test_launch_plan(act, channels_last, monkeypatch):
     ]  # fmt: skip
     assert _batchnorm.arrivals(s) == (0 if channels_last else 48)
     blocks = -(-48 // 8 // 32) if channels_last else 48
-    assert launched[0][1] == launched[per_pass][1] == (p.splits, blocks)
+    # (NCHW: about 32 blocks per multiprocessor; channels-last one wave at the
+    # reduction's occupancy, 3 blocks per multiprocessor here)
+    per_sm, share = (3, 8192) if channels_last else (32, 2048)
+    splits = _batchnorm.plan(s, 256 | 512, per_sm).splits
+    assert launched[0][1] == launched[per_pass][1] == (splits, blocks)
     assert launched[2 * per_pass][1] == launched[2 * per_pass + 2][1] == (1, 1)  # (per channel)
-    assert 1 < p.splits * 2048 <= s.n // blocks + 2048  # each block's share >= 2048 elements
+    assert splits == min(per_sm * 132 // blocks, -(-s.n // blocks // share))
+    assert 1 < splits * share <= s.n // blocks + share  # each block's share >= share elements
     odd = _batchnorm.shape(0, "float32", act, channels_last, 2 * 6 * 5 * 5, 25, 6)
     assert not odd.vector and _batchnorm.plan(odd, 256).width == 1
 
