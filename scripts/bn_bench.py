@@ -152,24 +152,13 @@ def _traffic(name: str, s: int, m: int) -> int | None:
     return None
 
 
-def print_kernels(label: str, step, s: int, m: int, calls: int = 5) -> None:
+def print_kernels(label: str, step, s: int, m: int) -> None:
     """``step``'s device time per call by kernel, with the fused kernels' GB/s."""
-    from torch.profiler import ProfilerActivity, profile
+    import measure
 
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            step()
-        torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", None)
-        us = e.self_cuda_time_total if us is None else us
-        if us > 0:
-            rows.append((us / calls, e.key))
+    rows = measure.kernel_us(step, steps=5)
     print(f"  {label}, fwd + bwd by kernel (us per call):")
-    for us, name in sorted(rows, reverse=True):
+    for name, us in sorted(rows.items(), key=lambda kv: -kv[1]):
         nbytes = _traffic(name, s, m)
         rate = f"{nbytes / us / 1e3:7.0f} GB/s" if nbytes else " " * 12
         print(f"    {us:8.1f} {rate}  {name[:110]}")

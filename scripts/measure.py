@@ -135,10 +135,9 @@ def kind(kernel: str) -> str:
     return next((k for k, pattern in _KIND_PATTERNS if re.search(pattern, kernel)), "other")
 
 
-def profile(step, steps: int = 3) -> dict:
-    """Device ms per step of ``step()`` by KINDS (and "total", and "top
-    other": the largest other kernels, (name, ms)), from ``steps`` profiled
-    calls after one unprofiled one."""
+def kernel_us(step, steps: int = 3) -> dict:
+    """Device us per call of ``step()`` by kernel name, from ``steps``
+    profiled calls after one unprofiled one."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -148,16 +147,26 @@ def profile(step, steps: int = 3) -> dict:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    out = dict.fromkeys(KINDS, 0.0)
-    other = {}
+    out = {}
     for e in prof.key_averages():
         us = getattr(e, "self_device_time_total", None)
         us = e.self_cuda_time_total if us is None else us
         if us > 0:
-            k = kind(e.key)
-            out[k] += us / 1e3 / steps
-            if k == "other":
-                other[e.key] = us / 1e3 / steps
+            out[e.key] = out.get(e.key, 0.0) + us / steps
+    return out
+
+
+def profile(step, steps: int = 3) -> dict:
+    """Device ms per step of ``step()`` by KINDS (and "total", and "top
+    other": the largest other kernels, (name, ms)), from ``steps`` profiled
+    calls after one unprofiled one."""
+    out = dict.fromkeys(KINDS, 0.0)
+    other = {}
+    for name, us in kernel_us(step, steps).items():
+        k = kind(name)
+        out[k] += us / 1e3
+        if k == "other":
+            other[name] = us / 1e3
     out["total"] = sum(out[k] for k in KINDS)
     # (the largest "other" kernels: where a step's time goes beyond the named kinds)
     out["top other"] = sorted(other.items(), key=lambda kv: -kv[1])[:8]

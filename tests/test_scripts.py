@@ -98,3 +98,44 @@ def test_bench_targets_met_and_missed():
 )
 def test_profile_sorts_kernels_by_kind(name, kind):
     assert measure.kind(name) == kind
+
+
+def test_profile_adds_each_kind_per_step(monkeypatch):
+    """profile() sums kernel_us's per-call device time by kind, in ms, and
+    lists the largest "other" kernels."""
+    times = {
+        "void cupy_act::bn_forward<float, true, 4, 2>(cupy_act::BnParams)": 500.0,
+        "void cupy_act::bn_reduce<float, true, 4, 1, 2>(cupy_act::BnParams)": 300.0,
+        "sm90_xmma_fprop_implicit_gemm_tf32": 1500.0,
+        "Memset (Device)": 250.0,
+        "void at::native::vectorized_elementwise_kernel<4, add>": 50.0,
+    }
+    monkeypatch.setattr(measure, "kernel_us", lambda step, steps: times)
+    out = measure.profile(lambda: None)
+    assert out["BN fwd"] == 0.5 and out["BN bwd"] == 0.3 and out["convolution"] == 1.5
+    assert out["other"] == pytest.approx(0.3) and out["total"] == pytest.approx(2.6)
+    assert [name for name, _ in out["top other"]] == [
+        "Memset (Device)",
+        "void at::native::vectorized_elementwise_kernel<4, add>",
+    ]
+
+
+@pytest.mark.parametrize(
+    "kernel,nbytes",
+    [
+        ("bn_reduce<cupy_act::bfloat16_t, true, 8, 0, 0>", 100),  # x
+        ("bn_reduce<float, false, 4, 1, 2>", 204),  # x, dy, the mask
+        ("bn_reduce<float, true, 1, 2, 2>", 200),  # y, dy
+        ("bn_forward<float, true, 4, 2>", 204),  # x; y, the mask
+        ("bn_backward<float, true, 4, 2, false>", 304),  # x, dy, the mask; dx
+        ("bn_backward<float, false, 4, 0, true>", 300),  # y, dy; dx
+        ("bn_finalize<0>", None),
+    ],
+)
+def test_bn_bench_counts_each_kernels_bytes(kernel, nbytes):
+    """bn_bench --kernels: the bytes each fused kernel moves (elements of 100
+    bytes, a 4-byte mask), by its name as the profiler gives it."""
+    import bn_bench
+
+    name = f"void cupy_act::{kernel}(cupy_act::BnParams)"
+    assert bn_bench._traffic(name, 100, 4) == nbytes
