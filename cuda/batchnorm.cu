@@ -240,7 +240,7 @@ __device__ __forceinline__ void bn_add(const BnParams& p, const BnIn<T, V>& in,
                                        const float (&ctr)[K], const float (&scl)[K],
                                        double (&a)[K], double (&b)[K]) {
   const bool residual = P == kGradFromOutput && p.residual != nullptr;
-  const float inv_slope = __frcp_rn(p.slope);  // (hoisted out of the callers' loops)
+  const float inv_slope = __frcp_rn(p.slope);  // (loop-invariant: a kernel parameter's)
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     const int k = K == 1 ? 0 : j;
@@ -447,7 +447,6 @@ __device__ __forceinline__ void bn_reduce_planes(const BnParams& p) {
 // (half of the copy bandwidth in bfloat16). Then a fixed-order tree over the
 // R rows, one channel of the vector at a time (4 KB of shared memory; it
 // was 32 KB, which held the occupancy down).
-
 template <typename T, int V, int P, int A>
 __device__ __forceinline__ void bn_reduce_rows(const BnParams& p) {
   __shared__ double s1[kBnThreads], s2[kBnThreads];
