@@ -316,7 +316,8 @@ __device__ __forceinline__ void bn_running(const BnParams& p, long long c, doubl
   p.running_var[c] = (float)((1.0 - m) * p.running_var[c] + m * var * count / (count - 1.0));
 }
 
-// Values per channel in this launch's x (a synchronized pass passes the group's).
+// Values per channel in this launch's x (a synchronized finish, bn_finish_sums,
+// takes the group's count from the totals instead).
 __device__ __forceinline__ double bn_count(const BnParams& p) {
   return (double)(p.n / p.channels);
 }
