@@ -22,6 +22,13 @@
 // With a residual r (apex's bn_add_relu): y = act(bn(x) + r), the mask taken on
 // bn(x) + r, and the backward also writes dr = dz.
 //
+// With a shortcut s (p.post; compiled graphs fold a block's `act(bn(x)) + s`
+// into the op; never with a residual): out = act(bn(x)) + s, act's value
+// rounded to T first and the sum taken as PyTorch's add takes it (float,
+// rounded once, no flush), so the bits equal those of the op followed by the
+// add. The mask is act's own: the backward is the op's, s's gradient being
+// the output's.
+//
 // NCHW finishes each channel in the reduction's last block to arrive (a
 // counter per channel in p.arrivals, zero before the launch and set back to
 // zero by that block): two launches per pass instead of three. A
@@ -79,6 +86,8 @@ struct BnParams {
   double* moments;        // [C][2] or null: the forward's mean and biased variance (for
                           // bn_update_running), then [2C] the count, [2C + 1] a pad;
                           // kSums: where the local sums go
+  const void* post;       // or null: added after the activation, out = act(bn(x)) + post
+                          // (only where residual is null)
   long long n;            // elements
   long long inner;        // H x W
   long long channels;
@@ -589,16 +598,19 @@ __global__ void __launch_bounds__(kBnThreads) bn_forward(const BnParams p) {
   const long long warps = ((long long)gridDim.x * kBnThreads) >> 5;
   const long long vectors = p.n / V;
   const bool masked = A != kIdentity && p.mask != nullptr;
+  // (a call has a residual or a shortcut, not both: they share the registers,
+  // where a third set of loads in flight cost the bfloat16 pass occupancy)
+  const void* extra = p.residual != nullptr ? p.residual : p.post;
   float4 q[V];
   bn_coefs<CL, V>(p, (warp * 32 + lane) * V, q);
   for (long long first = warp * 32; first < vectors; first += warps * 32 * kBnFwdUnroll) {
-    BnRaw<T, V> x[kBnFwdUnroll], res[kBnFwdUnroll];
+    BnRaw<T, V> x[kBnFwdUnroll], res[kBnFwdUnroll];  // res: the residual or the shortcut
 #pragma unroll
     for (int u = 0; u < kBnFwdUnroll; ++u) {
       const long long k = first + u * warps * 32 + lane;
       if (k < vectors) {
         bn_load_raw<T, V>(p.x, k * V, x[u]);
-        if (p.residual != nullptr) bn_load_raw<T, V>(p.residual, k * V, res[u]);
+        if (extra != nullptr) bn_load_raw<T, V>(extra, k * V, res[u]);
       }
     }
 #pragma unroll
@@ -621,6 +633,8 @@ __global__ void __launch_bounds__(kBnThreads) bn_forward(const BnParams p) {
           if (p.residual != nullptr) t += Num<T>::to_op(res[u].e[j]);  // (not + 0: -0 stays -0)
           bits |= (u32)bn_bit<A>(t) << j;
           v[j] = bn_act<A>(t, p.slope);
+          if (p.post != nullptr)
+            v[j] = add_rn(Num<T>::to_op(Num<T>::from_op(v[j])), Num<T>::to_op(res[u].e[j]));
         }
         bn_store<T, V>(p.y, i, v);
       }

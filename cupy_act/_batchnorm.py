@@ -27,9 +27,9 @@ VECTOR = {"float32": 4, "float16": 8, "bfloat16": 8}
 # Activations whose input the output determines (the in-place mode's backward).
 INVERTIBLE = ("identity", "leaky_relu")
 
-# BnParams: 19 pointers, 5 long longs, 4 doubles, a float and an int.
-_PARAMS = struct.Struct("<19Q5q4dfi")
-assert _PARAMS.size == 232
+# BnParams: 20 pointers, 5 long longs, 4 doubles, a float and an int.
+_PARAMS = struct.Struct("<20Q5q4dfi")
+assert _PARAMS.size == 240
 _scratch = _launch._Scratch(_PARAMS.size)
 
 
@@ -109,6 +109,7 @@ class Buffers(NamedTuple):
     residual: int  # y = act(bn(x) + residual); the in-place backward reads it back
     grad_residual: int  # the backward's dz, the residual's gradient
     moments: int  # channels x (mean, biased variance) doubles of a training forward
+    post: int  # added after the activation: out = act(bn(x)) + post
 
 
 def _sm_count(device: int) -> int:
@@ -296,7 +297,7 @@ def _need(s: Shape, p: Plan, which: str) -> Buffers:
         partial=0 if which == "eval" else partial,
         running_mean=c4, running_var=c4, grad_weight=c4, grad_bias=c4, coef=16 * s.channels,
         num_batches=8, arrivals=c4, residual=data, grad_residual=data,
-        moments=moments,
+        moments=moments, post=data,
     )  # fmt: skip
 
 
@@ -375,7 +376,7 @@ def run(ps: Pass, stream: int, b: Buffers, have: tuple, momentum: float, eps: fl
     statistics, updating the running statistics where b.running_mean ("eval":
     from the running statistics); b.mean, b.invstd, b.coef (and b.moments,
     where given) receive those used; b.residual, where given, is added before
-    the activation; b.y may be b.x (in place). Backward: weight and bias
+    the activation, b.post after it; b.y may be b.x (in place). Backward: weight and bias
     gradients (where given), then dx into b.y (and dz into b.grad_residual,
     where given); FROM_OUTPUT: b.x holds the forward's output (the in-place
     mode; b.residual the forward's); EVAL: the forward normalized with the

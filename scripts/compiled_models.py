@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python scripts/compiled_models.py [--models cspdarknet53 resnet50]
         [--batches 32] [--precisions fp32 bf16cl] [--modes eager default reduce-overhead]
-        [--variants pytorch ours ours-inplace ours-traced] [--steps 6] [--rounds 5]
+        [--variants pytorch ours ours-inplace ours-traced ours-inplace-unfolded ...]
+        [--steps 6] [--rounds 5]
         [--loss-steps 20] [--no-peaks] [--profile] [--policy after_conv] [--json F]
     PYTHONPATH=. python scripts/compiled_models.py --block [--rounds 20]
 
@@ -12,6 +13,8 @@ nothing, as for torchvision's ResNets, whose residual tails it fuses too;
 then ``replace_activations``), ``ours-inplace`` (the same with
 ``memory="inplace"``), ``ours-traced`` (``ours`` with
 ``set_compiled_batchnorm("traced")``: PyTorch's operations under compile),
+``ours-unfolded`` and ``ours-inplace-unfolded`` (with
+``set_compiled_folding(False)``: no neighbour folded into the op),
 each eager (``eager``) or ``torch.compile``'d (``default``,
 ``reduce-overhead``: CUDA graphs). Precisions: ``fp32`` (float32, NCHW) and
 ``bf16cl`` (bfloat16 autocast, channels-last model and input: timm's ``--amp
@@ -56,7 +59,14 @@ import measure  # noqa: E402  (scripts/measure.py)
 import models  # noqa: E402  (build, batches, the peak and pool helpers)
 
 MODES = {"eager": None, "default": "default", "reduce-overhead": "reduce-overhead"}
-VARIANTS = ("pytorch", "ours", "ours-inplace", "ours-traced")
+VARIANTS = (
+    "pytorch",
+    "ours",
+    "ours-inplace",
+    "ours-traced",
+    "ours-unfolded",
+    "ours-inplace-unfolded",
+)
 PRECISIONS = ("fp32", "bf16cl")
 DEFAULT_BATCHES = {"cspdarknet53": [32, 64], "resnet50": [32, 128]}
 
@@ -65,7 +75,7 @@ def prepare(eager, variant: str, precision: str, device):
     """The variant's model (a copy of ``eager``'s weights)."""
     model = copy.deepcopy(eager).to(device)
     if variant != "pytorch":
-        memory = "inplace" if variant == "ours-inplace" else "default"
+        memory = "inplace" if variant.startswith("ours-inplace") else "default"
         model, count = ct.fuse_batchnorm_act(model, memory=memory)
         if count == 0:  # (torchvision's blocks: pairs only their call graph shows)
             model, count = ct.fuse_batchnorm_act_fx(model, memory=memory)
@@ -81,6 +91,7 @@ class Run:
     def __init__(self, eager, variant, mode, precision, device, classes, policy):
         model = prepare(eager, variant, precision, device)
         self.policy = "traced" if variant == "ours-traced" else policy
+        self.fold = not variant.endswith("-unfolded")
         self.graphs = mode == "reduce-overhead"
         self.fn = model if MODES[mode] is None else torch.compile(model, mode=MODES[mode])
         self.opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -89,6 +100,7 @@ class Run:
 
     def step(self, x, t):
         ct.set_compiled_batchnorm(self.policy)  # (Dynamo guards on it)
+        ct.set_compiled_folding(self.fold)  # (read when the first step compiles)
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()
         self.opt.zero_grad(set_to_none=True)

@@ -88,6 +88,8 @@ if has sanitizer; then
   # BatchNorm forward and backward, both layouts (and an unaligned one), both memory modes
   san san_batchnorm memcheck "${NC[@]}" -- tests/test_batchnorm.py \
     -k "nchw_reductions or running or (accuracy and float32 and (40 or 24)) or save_a_mask" &
+  # the forward with a shortcut added after the activation (compiled graphs' post)
+  san san_bn_post memcheck "${NC[@]}" -- tests/test_batchnorm_folding.py -k post_equals &
   # BatchNorm's backward reading a channel slice of dy where it lies (both layouts,
   # aligned and not, both memory modes)
   san san_bn_layouts memcheck "${NC[@]}" -- tests/test_batchnorm_layouts.py \

@@ -71,7 +71,10 @@ def test_other_strides_are_copied_to_the_kernels_layout(make, layout):
     assert got.is_contiguous(memory_format=fmt) and torch.equal(got, gy)
 
 
-_DY, _SKIP = _batchnorm.Buffers._fields.index("dy"), 19 + 4  # (after 19 pointers, 4 counts)
+_DY, _SKIP = (
+    _batchnorm.Buffers._fields.index("dy"),
+    len(_batchnorm.Buffers._fields) + 4,
+)  # (after the pointers, 4 counts)
 
 
 @pytest.mark.parametrize("layout", ["nchw", "cl"])
@@ -103,7 +106,7 @@ def test_a_skip_past_the_buffer_is_refused(layout, monkeypatch):
     launched = record_bn_launches(monkeypatch)
     s = _batchnorm.shape(None, "float32", "relu", layout == "cl", 2 * 8 * 3 * 3, 9, 8)
     ps = _batchnorm.prepare(s, 256, "backward")
-    b = _batchnorm.Buffers(*[256] * 19)
+    b = _batchnorm.Buffers(*[256] * len(_batchnorm.Buffers._fields))
     have = list(ps.need)
     have[_DY] += 4 * 5 * ((2 * 9 if layout == "cl" else 2) - 1)
     _batchnorm.run(ps, 0, b, tuple(have), 0.0, 0.0, 0.0, 0, dy_skip=5)

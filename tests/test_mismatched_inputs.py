@@ -463,7 +463,7 @@ def test_launcher_mismatch_refused_batchnorm(monkeypatch):
     monkeypatch.setattr(_batchnorm, "_passes", {})
     s = _batchnorm.shape(0, "float32", "relu", False, 4 * 16 * 25, 25, 16)
     ps = _batchnorm.prepare(s, 0, "forward")
-    b = _batchnorm.Buffers(*range(1, 20))
+    b = _batchnorm.Buffers(*range(1, len(_batchnorm.Buffers._fields) + 1))
     short = ps.need._replace(weight=32, running_var=32)
     with pytest.raises(_launch.SizeMismatch, match="weight has 32 bytes, needs 64.*running_var"):
         _batchnorm.run(ps, 0, b, short, 0.1, 1e-5, 0.0, 0)

@@ -17,7 +17,7 @@ from . import (
     syncbatchnorm,
 )
 from .adopt import *  # noqa: F403  (replace_activations, activations_mode)
-from .batchnorm import *  # noqa: F403  (BatchNormAct2d, set_compiled_batchnorm)
+from .batchnorm import *  # noqa: F403  (BatchNormAct2d, set_compiled_batchnorm, ...)
 from .batchnorm_fuse import *  # noqa: F403  (fuse_batchnorm_act, convert_sync_batchnorm)
 from .batchnorm_fx import *  # noqa: F403  (fuse_batchnorm_act_fx)
 from .conv import conv2d_div_leaky_relu, set_compiled_epilogue

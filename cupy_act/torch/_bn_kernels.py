@@ -176,9 +176,10 @@ def arrivals(s: _bn.Shape, stream: int, dev: torch.device) -> tuple[int, int, ob
 
 
 def forward(x, weight, bias, residual, running_mean, running_var, count, factor: float,
-            eps: float, mode: Mode, out=None, split: bool = False):  # fmt: skip
+            eps: float, mode: Mode, out=None, split: bool = False, post=None):  # fmt: skip
     """The forward pass: (y, stats, mask, shape). x dense in C order or
-    channels-last, ``residual`` (or None) in x's layout; ``out``: where y goes
+    channels-last, ``residual`` and ``post`` (or None) in x's layout (y =
+    act(bn(x) + residual) + post); ``out``: where y goes
     (x itself in the eager in-place mode), else a new tensor. Training
     (``mode.evaluate`` False) updates the running statistics where given and
     increments ``count`` (num_batches_tracked) where given. ``stats`` holds the
@@ -188,7 +189,7 @@ def forward(x, weight, bias, residual, running_mean, running_var, count, factor:
     where no backward reads one (no gradient, the identity, or from y)."""
     s = shape_of(x, mode.act, layout_of(x))
     y, mask = _outputs(x, s, mode, out)
-    ps = _bn.prepare(s, x.data_ptr() | y.data_ptr() | _ptr(residual),
+    ps = _bn.prepare(s, x.data_ptr() | y.data_ptr() | _ptr(residual) | _ptr(post),
                      "eval" if mode.evaluate else "forward")  # fmt: skip
     dev = x.device
     if split:
@@ -204,7 +205,7 @@ def forward(x, weight, bias, residual, running_mean, running_var, count, factor:
         x=x, y=y, mask=mask, weight=weight, bias=bias, **_stats_at(stats, s.channels, ps),
         partial=w, running_mean=running_mean, running_var=running_var,
         coef=(w[0] + ps.coef, w[1] - ps.coef), num_batches=count,
-        arrivals=(counters, counted), residual=residual,
+        arrivals=(counters, counted), residual=residual, post=post,
     )  # fmt: skip
     flags = _bn.EVAL if mode.evaluate else 0
     _bn.run(ps, stream, b, have, factor, eps, mode.slope, flags)

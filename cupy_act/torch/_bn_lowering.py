@@ -33,7 +33,7 @@ import torch
 
 # op name -> (the argument whose order the others follow, the followers)
 FOLLOW = {
-    "batchnorm_act": ("x", ("residual",)),
+    "batchnorm_act": ("x", ("residual", "post")),
     "batchnorm_act_backward": ("src", ("dy", "residual")),
 }
 _lock = threading.Lock()

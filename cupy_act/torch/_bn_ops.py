@@ -1,7 +1,7 @@
 """The fused BatchNorm + activation as operators that compiled graphs call.
 
     cupy_act::batchnorm_act(x, weight?, bias?, residual?, running_mean?, running_var?,
-                            eps, act, slope, evaluate, from_output, grad)
+                            eps, act, slope, evaluate, from_output, grad, post?=None)
         -> (y, stats, mask)
     cupy_act::batchnorm_act_backward(src, dy, mask, weight?, bias?, stats, residual?,
                                      act, slope, evaluate, from_output,
@@ -46,8 +46,8 @@ import torch
 from torch import Tensor
 
 from .. import _batchnorm as _bn
+from . import _bn_graph, _bn_lowering, _impl
 from . import _bn_kernels as _K
-from . import _bn_lowering, _impl
 
 _FLEXIBLE = tuple(t for t in (getattr(torch.Tag, "flexible_layout", None),) if t is not None)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -57,7 +57,7 @@ _lib = torch.library.Library("cupy_act", "FRAGMENT")
 _lib.define(
     "batchnorm_act(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, "
     "Tensor? running_mean, Tensor? running_var, float eps, str act, float slope, "
-    "bool evaluate, bool from_output, bool grad) -> (Tensor, Tensor, Tensor)",
+    "bool evaluate, bool from_output, bool grad, Tensor? post=None) -> (Tensor, Tensor, Tensor)",
     tags=_FLEXIBLE,
 )
 _lib.define(
@@ -123,12 +123,17 @@ def _check_mode(fname: str, act: str, slope: float, from_output: bool) -> None:
 
 
 def _check_forward(x, weight, bias, residual, running_mean, running_var, act, slope,
-                   evaluate, from_output) -> None:  # fmt: skip
+                   evaluate, from_output, post) -> None:  # fmt: skip
     _check_x(_FWD, "x", x)
     for name, t in (("weight", weight), ("bias", bias)):
         _check_channel(_FWD, name, t, x)
     _check_like(_FWD, "residual", residual, x)
+    _check_like(_FWD, "post", post, x)
     _check_mode(_FWD, act, slope, from_output)
+    if from_output and post is not None:
+        _fail(_FWD, "from_output inverts the op's output, which post would change: pass one")
+    if residual is not None and post is not None:
+        _fail(_FWD, "residual and post: the kernels take one or the other")
     if evaluate:
         if running_mean is None or running_var is None:
             _fail(_FWD, "evaluate=True needs running_mean and running_var")
@@ -151,20 +156,21 @@ def _outputs(x: Tensor, act: str, from_output: bool, grad: bool):
 
 
 def _forward_impl(x, weight, bias, residual, running_mean, running_var, eps, act, slope,
-                  evaluate, from_output, grad):  # fmt: skip
+                  evaluate, from_output, grad, post=None):  # fmt: skip
     _check_forward(
-        x, weight, bias, residual, running_mean, running_var, act, slope, evaluate, from_output
-    )
+        x, weight, bias, residual, running_mean, running_var, act, slope, evaluate, from_output,
+        post,
+    )  # fmt: skip
     cl = _K.layout_of(x)
     x = _K.arranged(x, cl)
-    residual = _K.arranged(residual, cl)
+    residual, post = _K.arranged(residual, cl), _K.arranged(post, cl)
     weight, bias = _K.arranged(weight, False), _K.arranged(bias, False)
     mode = _K.Mode(act, slope, evaluate, from_output, grad)
     if x.numel() == 0:
         return _outputs(x, act, from_output, grad)
     mean, var = (running_mean, running_var) if evaluate else (None, None)
     y, stats, mask, _ = _K.forward(
-        x, weight, bias, residual, mean, var, None, 0.0, eps, mode, split=True
+        x, weight, bias, residual, mean, var, None, 0.0, eps, mode, split=True, post=post
     )
     if mask is None:
         mask = x.new_empty(0, dtype=torch.int32)
@@ -172,11 +178,13 @@ def _forward_impl(x, weight, bias, residual, running_mean, running_var, eps, act
 
 
 def _forward_fake(x, weight, bias, residual, running_mean, running_var, eps, act, slope,
-                  evaluate, from_output, grad):  # fmt: skip
-    _bn_lowering.register()  # (Inductor traces the fakes before it lowers)
+                  evaluate, from_output, grad, post=None):  # fmt: skip
+    if _bn_lowering.register():  # (Inductor traces the fakes before it lowers)
+        _bn_graph.install()
     _check_forward(
-        x, weight, bias, residual, running_mean, running_var, act, slope, evaluate, from_output
-    )
+        x, weight, bias, residual, running_mean, running_var, act, slope, evaluate, from_output,
+        post,
+    )  # fmt: skip
     return _outputs(x, act, from_output, grad)
 
 
@@ -348,7 +356,10 @@ def set_compiled_batchnorm(policy: str) -> str:
 def takes(after_conv: bool | None, memory: str) -> bool:
     """Whether the policy puts the op at a module (``after_conv``: the fusers'
     mark, None where unknown; ``memory``: its memory mode)."""
-    if POLICY == "traced":
+    # (_bn_graph.FOLD is read here too, under Dynamo's tracing, so that its
+    # guards hold it: set_compiled_folding then recompiles, as a change of
+    # policy does, instead of reusing a graph compiled the other way)
+    if POLICY == "traced" or _bn_graph.FOLD is None:
         return False
     if POLICY == "everywhere":
         return True

@@ -41,9 +41,10 @@ from .. import _batchnorm as _bn
 from . import _bn_kernels as _K
 from . import _bn_ops, _impl, modules
 from . import functional as F
+from ._bn_graph import set_compiled_folding
 from ._bn_ops import set_compiled_batchnorm
 
-__all__ = ["BatchNormAct2d", "set_compiled_batchnorm"]
+__all__ = ["BatchNormAct2d", "set_compiled_batchnorm", "set_compiled_folding"]
 
 ACTS = ("relu", "leaky_relu", "identity")
 _ACT_CLASSES = {
