@@ -201,6 +201,27 @@ def test_ops_placed_by_policy(policy, memory, ops, monkeypatch, stand_ins):
     assert ("native_batch_norm" in forward or "batch_norm" in forward) == (ops < 3)
 
 
+def test_residual_that_is_the_input_compiles(monkeypatch, stand_ins):
+    """bn(x, residual=x) under fullgraph compile: PyTorch's operations (Dynamo
+    traces no autograd.Function given the same tensor twice), no graph break;
+    with another residual, the op."""
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 4, 1), ct.BatchNormAct2d(4)
+
+        def forward(self, x):
+            y = self.conv(x)
+            return self.bn(y, y if self.same else y * 2)
+
+    model = Twice()
+    for same, ops in ((True, 0), (False, 1)):
+        model.same = same
+        rec = _compiled_graphs(model, torch.randn(2, 3, 6, 6), monkeypatch, "everywhere")
+        assert rec.graphs[0].code.count("cupy_act.batchnorm_act.default") == ops
+
+
 def test_no_op_on_cpu_tensors():
     """On CPU tensors the compiled module is PyTorch's operations, bit for bit eager."""
     gm, _ = ct.fuse_batchnorm_act_fx(_Net())

@@ -122,6 +122,30 @@ def test_slice_into_a_convolution_is_made_dense(monkeypatch, stand_ins):  # noqa
     assert sum(c.args[0] is clones[0] for c in convs) == 1
 
 
+def _saved(g):
+    """(name, shape) of the 4-D tensors a backward graph takes from the forward."""
+    return [(n.name, tuple(n.meta["val"].shape)) for n in g.graph.find_nodes(op="placeholder")
+            if not n.name.startswith("tangents") and n.meta["val"].dim() == 4]  # fmt: skip
+
+
+def test_inplace_clone_is_recomputed_not_saved(monkeypatch, stand_ins):  # noqa: F811
+    """In place, the op saves its output: the backward recomputes the dense
+    half from it instead of taking the clone too, so the forward saves what
+    it saved unfolded."""
+    graphs = {}
+    for on in (True, False):
+        previous = ct.set_compiled_folding(on)
+        try:
+            graphs[on] = _graphs(_Block("inplace"), torch.randn(2, 3, 6, 6), monkeypatch)
+        finally:
+            ct.set_compiled_folding(previous)
+    assert len(_calls(graphs[True][0], "aten.clone.default")) == 1
+    assert len(_calls(graphs[True][1], "aten.clone.default")) == 1
+    assert sorted(s for _, s in _saved(graphs[True][1])) == sorted(
+        s for _, s in _saved(graphs[False][1])
+    )
+
+
 def test_folding_off_leaves_the_graph(monkeypatch, stand_ins):  # noqa: F811
     previous = ct.set_compiled_folding(False)
     try:

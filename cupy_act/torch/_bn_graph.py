@@ -18,7 +18,11 @@ separate add kernels and 0.44 ms of ATen copies in a 17.4 ms step):
   copies it, in the forward and again in the weight gradient, with a
   generic strided copy (about 1.8 TB/s). A ``clone`` of the slice in the
   graph lets Inductor write it dense with one generated kernel that every
-  user of the slice then shares.
+  user of the slice then shares. The backward's copy: where the op is in
+  place (it saves its output anyway), the clone is recomputed from that
+  output, not saved beside it (half the output again); in the default mode
+  the partitioner saves the dense half (a slice of y saved instead would
+  keep all of y).
 
 The pass runs on the joint forward + backward graph (before the
 partitioner, so the backward reads what the forward now makes) and only
@@ -165,9 +169,21 @@ def _dense_slices(graph) -> int:
             c = graph.call_function(torch.ops.aten.clone.default, (v,))
         with getattr(val, "fake_mode", None) or contextlib.nullcontext():
             c.meta["val"] = torch.ops.aten.clone.default(val)
+        if _arg(_base(v), _FROM_OUTPUT, "from_output"):
+            _recompute(c)
         v.replace_all_uses_with(c, delete_user_cb=lambda user: user is not c)
         done += 1
     return done
+
+
+def _recompute(node) -> None:
+    """Have the partitioner recompute ``node`` in the backward rather than
+    save it (the tag selective activation checkpointing sets): for a clone
+    of the in-place op's output, which the op saves anyway, saving the clone
+    too would cost half of that output again."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
 
 
 # -- add(op(...)[0], s) --

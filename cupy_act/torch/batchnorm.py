@@ -361,6 +361,8 @@ def _compiled_forward(m: BatchNormAct2d, x: torch.Tensor, residual) -> torch.Ten
         return None
     if residual is not None and not _like(residual, x):
         return None
+    if residual is x:  # (Dynamo traces no autograd.Function given one tensor twice)
+        return None
     t = _tensors(m)
     c = x.shape[1]
     mean, var = _statistics_passed(m, t, c)
