@@ -2,7 +2,8 @@
 (``_bn_graph``): a shortcut added after the activation becomes the op's
 ``post``, a convolution's channel slice of the op's output a dense clone.
 The graphs on CPU (the ops as stand-ins); on CUDA the op's ``post`` against
-the op and PyTorch's add, and compiled steps against the eager kernels."""
+the op and PyTorch's add, and compiled steps with the pass against those
+without it."""
 
 import copy
 
@@ -10,11 +11,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from functorch.compile import make_boxed_func, min_cut_rematerialization_partition  # noqa: E402
 from test_batchnorm import _layout, _same  # noqa: E402
 from test_batchnorm_compiled import _train_steps, stand_ins  # noqa: E402, F401  (a fixture)
+from test_compile_route import Recorder  # noqa: E402
 from torch import nn  # noqa: E402
-from torch._functorch.aot_autograd import aot_module_simplified  # noqa: E402
 
 import cupy_act.torch as ct  # noqa: E402
 from cupy_act.torch import _bn_graph, _bn_ops, _impl  # noqa: E402
@@ -46,27 +46,10 @@ class _Block(nn.Module):
         return torch.cat([xs, xb + shortcut], dim=1)
 
 
-class _Joint:
-    """An AOTAutograd backend that runs the pass on the joint graph (as
-    Inductor's hook does), then keeps the partitioned graphs."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, gm, example_inputs):
-        def keep(g, _inputs):
-            self.graphs.append(g)
-            return make_boxed_func(g)
-
-        def partition(joint, *args, **kwargs):
-            if _bn_graph.FOLD:
-                _bn_graph.fold(joint.graph)
-                joint.recompile()
-            return min_cut_rematerialization_partition(joint, *args, **kwargs)
-
-        return aot_module_simplified(
-            gm, example_inputs, fw_compiler=keep, bw_compiler=keep, partition_fn=partition
-        )
+def _Joint():
+    """A Recorder whose joint graph gets the pass first (while folding is on),
+    as Inductor's hook gives it."""
+    return Recorder(lambda graph: _bn_graph.FOLD and _bn_graph.fold(graph))
 
 
 def _graphs(model, x, monkeypatch):
@@ -184,24 +167,30 @@ def test_folding_switch_recompiles(monkeypatch, stand_ins):  # noqa: F811
 
 def test_add_of_another_shape_or_dtype_stays(monkeypatch, stand_ins):  # noqa: F811
     """A broadcasting add (a per-channel term), one that promotes the dtype,
-    or one after an op that adds a residual already is not the op's post."""
+    one after an op that adds a residual already, or one whose sum is laid
+    out otherwise than the op's output (channels-last first) is not the
+    op's post."""
 
     class Broadcast(nn.Module):
         def __init__(self):
             super().__init__()
             self.conv = nn.Conv2d(3, 4, 1)
-            self.bn_a, self.bn_b, self.bn_c = (_Block._bn(4, "default") for _ in range(3))
+            self.bn_a, self.bn_b, self.bn_c, self.bn_d = (
+                _Block._bn(4, "default") for _ in range(4)
+            )
             self.extra = nn.Parameter(torch.ones(4, 1, 1))
 
         def forward(self, x):
             x = self.conv(x)
             wide = torch.ones(x.shape, dtype=torch.float64)
-            return self.bn_a(x) + self.extra, self.bn_b(x) + wide, self.bn_c(x, x * 2) + x
+            cl = x.contiguous(memory_format=torch.channels_last)
+            return (self.bn_a(x) + self.extra, self.bn_b(x) + wide, self.bn_c(x, x * 2) + x,
+                    cl + self.bn_d(x))  # fmt: skip
 
     model = Broadcast()
     fwd, _ = _graphs(lambda t: sum(o.sum() for o in model(t)), torch.randn(2, 3, 6, 6),
                      monkeypatch)  # fmt: skip
-    assert len(_adds_of_op(fwd)) == 3
+    assert len(_adds_of_op(fwd)) == 4
     assert all(_bn_graph._arg(n, _bn_graph._POST, "post") is None for n in _calls(fwd, OP))
 
 

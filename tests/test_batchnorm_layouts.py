@@ -71,10 +71,8 @@ def test_other_strides_are_copied_to_the_kernels_layout(make, layout):
     assert got.is_contiguous(memory_format=fmt) and torch.equal(got, gy)
 
 
-_DY, _SKIP = (
-    _batchnorm.Buffers._fields.index("dy"),
-    len(_batchnorm.Buffers._fields) + 4,
-)  # (after the pointers, 4 counts)
+_DY = _batchnorm.Buffers._fields.index("dy")
+_SKIP = len(_batchnorm.Buffers._fields) + 4  # (dy_skip: after the pointers and 4 counts)
 
 
 @pytest.mark.parametrize("layout", ["nchw", "cl"])

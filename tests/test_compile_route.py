@@ -86,22 +86,27 @@ def _in_mode(f):
 
 class Recorder:
     """An AOTAutograd backend that keeps the forward and backward graphs and runs
-    them as they are (no C++ compiler needed), partitioned by Inductor's min-cut."""
+    them as they are (no C++ compiler needed), partitioned by Inductor's min-cut
+    (after ``joint_pass(graph)`` on the joint graph, where given, as Inductor's
+    joint-graph hook runs)."""
 
-    def __init__(self):
+    def __init__(self, joint_pass=None):
         self.graphs = []
+        self.joint_pass = joint_pass
 
     def __call__(self, gm, example_inputs):
         def keep(g, _inputs):
             self.graphs.append(g)
             return make_boxed_func(g)
 
+        def partition(joint, *args, **kwargs):
+            if self.joint_pass is not None:
+                self.joint_pass(joint.graph)
+                joint.recompile()
+            return min_cut_rematerialization_partition(joint, *args, **kwargs)
+
         return aot_module_simplified(
-            gm,
-            example_inputs,
-            fw_compiler=keep,
-            bw_compiler=keep,
-            partition_fn=min_cut_rematerialization_partition,
+            gm, example_inputs, fw_compiler=keep, bw_compiler=keep, partition_fn=partition
         )
 
     def code(self) -> str:

@@ -211,6 +211,8 @@ def _post_adds(graph) -> int:
                 continue
             if vs.shape != vy.shape or vs.dtype != vy.dtype or vz.dtype != vy.dtype:
                 continue
+            if vz.stride() != vy.stride():  # (the graph after it was traced with the add's)
+                continue
             if vs.device != vy.device:
                 continue
             args, kwargs = op.args, {**op.kwargs, "post": s}
