@@ -77,13 +77,9 @@ def _kernel(device: int, dtype: str, name: str) -> _Kernel:
     with _lock:
         names = _names(dtype)
         ctx, functions = _loader.load_module(_modules, dtype, SOURCE, names, device)
-        from cupy.cuda import driver
-
         for n, f in zip(names, functions):
-            resident = _launch.in_context(
-                ctx, driver.occupancyMaxActiveBlocksPerMultiprocessor, f.ptr, THREADS, 0
-            )
-            _kernels[(device, n)] = _Kernel(f.ptr, ctx, f, max(1, resident))
+            resident = _launch.resident_blocks(ctx, f.ptr, THREADS)
+            _kernels[(device, n)] = _Kernel(f.ptr, ctx, f, resident)
     return _kernels[(device, name)]
 
 

@@ -225,6 +225,18 @@ def in_context(ctx: int, call, *args):
             _ctx_set_current(current)
 
 
+def resident_blocks(ctx: int, ptr: int, threads: int, smem: int = 0) -> int:
+    """Blocks of ``threads`` threads (and ``smem`` bytes of dynamic shared
+    memory) of kernel ``ptr`` that one multiprocessor holds at once, at least
+    1: the driver's occupancy, asked in the kernel's context (``in_context``:
+    the caller's thread may have another device's current, and the driver
+    then calls the handle invalid)."""
+    from cupy.cuda import driver
+
+    occupancy = driver.occupancyMaxActiveBlocksPerMultiprocessor
+    return max(1, in_context(ctx, occupancy, ptr, threads, smem))
+
+
 def run_all(launches: tuple, threads: int, stream: int, argv: int) -> None:
     """``run`` for each (ptr, ctx, grid) of ``launches`` (one context, one
     parameter block) in order, checking the context once."""

@@ -139,7 +139,8 @@ def test_import_does_not_import_torch():
 
 def test_launch_makes_the_kernels_context_current(monkeypatch):
     """The launcher's context check, with the driver calls recorded (no GPU):
-    for a kernel's launch and for a buffer zeroed before one."""
+    for a kernel's launch, for a buffer zeroed before one and for a kernel's
+    occupancy."""
     from cupy_act import _launch
     from cupy_act._loader import Kernel
 
@@ -181,6 +182,20 @@ def test_launch_makes_the_kernels_context_current(monkeypatch):
     current["ctx"] = 0xC0
     _launch.zero(0xC0, 0x1000, 64, 5)
     assert calls == [("memset", 0xC0, (0x1000, 0, 64, 5))]
+    # a kernel's occupancy (resident_blocks): asked in its context, at least 1
+    from cupy.cuda import driver
+
+    blocks = iter([3, 0])
+    monkeypatch.setattr(
+        driver,
+        "occupancyMaxActiveBlocksPerMultiprocessor",
+        lambda *a: calls.append(("occupancy", current["ctx"], a)) or next(blocks),
+    )
+    calls.clear()
+    current["ctx"] = 0xD1
+    assert _launch.resident_blocks(0xC0, 9, 256, 1024) == 3
+    assert calls == [("set", 0xC0), ("occupancy", 0xC0, (9, 256, 1024)), ("set", 0xD1)]
+    assert _launch.resident_blocks(0xC0, 9, 256) == 1  # (a kernel that fits none: one)
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["float", "double"])

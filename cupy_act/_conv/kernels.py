@@ -149,12 +149,9 @@ def _blocks(device: int, k: ConvKernel, smem: int) -> int:
     if n is None:
         import cupy
 
-        # (in the kernel's context: the caller's thread may have another
-        # device's current, and the driver then calls the handle invalid)
-        occupancy = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor
-        per_sm = _launch.in_context(k.ctx, occupancy, k.ptr, THREADS, smem)
+        per_sm = _launch.resident_blocks(k.ctx, k.ptr, THREADS, smem)
         sms = cupy.cuda.Device(device).attributes["MultiProcessorCount"]
-        n = _resident[key] = max(1, per_sm) * sms
+        n = _resident[key] = per_sm * sms
     return n
 
 
@@ -167,7 +164,7 @@ def _allow_smem(k: ConvKernel, nbytes: int) -> None:
 
     driver = cupy.cuda.driver
     attr = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    _launch.in_context(k.ctx, driver.funcSetAttribute, k.ptr, attr, nbytes)  # (as in _blocks)
+    _launch.in_context(k.ctx, driver.funcSetAttribute, k.ptr, attr, nbytes)  # (see in_context)
     _smem_set[k.ptr] = nbytes
 
 

@@ -116,7 +116,7 @@ def _output_of(node):
 
 
 def _val(node):
-    return node.meta.get("val") if hasattr(node, "meta") else None
+    return node.meta.get("val")
 
 
 def fold(graph) -> int:
