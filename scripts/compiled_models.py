@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python scripts/compiled_models.py [--models cspdarknet53 resnet50]
         [--batches 32] [--precisions fp32 bf16cl] [--modes eager default reduce-overhead]
-        [--variants pytorch ours ours-inplace ours-traced ours-inplace-unfolded ...]
+        [--variants pytorch ours ours-inplace ours-traced ours-inplace:inplace ...]
         [--steps 6] [--rounds 5]
         [--loss-steps 20] [--no-peaks] [--profile] [--policy after_conv] [--json F]
     PYTHONPATH=. python scripts/compiled_models.py --block [--rounds 20]
@@ -14,7 +14,9 @@ then ``replace_activations``), ``ours-inplace`` (the same with
 ``memory="inplace"``), ``ours-traced`` (``ours`` with
 ``set_compiled_batchnorm("traced")``: PyTorch's operations under compile),
 ``ours-unfolded`` and ``ours-inplace-unfolded`` (with
-``set_compiled_folding(False)``: no neighbour folded into the op),
+``set_compiled_folding(False)``: no neighbour folded into the op); a
+variant may name its own ``set_compiled_batchnorm`` policy after a colon
+(``ours-inplace:inplace``; else ``--policy``'s),
 each eager (``eager``) or ``torch.compile``'d (``default``,
 ``reduce-overhead``: CUDA graphs). Precisions: ``fp32`` (float32, NCHW) and
 ``bf16cl`` (bfloat16 autocast, channels-last model and input: timm's ``--amp
@@ -71,8 +73,20 @@ PRECISIONS = ("fp32", "bf16cl")
 DEFAULT_BATCHES = {"cspdarknet53": [32, 64], "resnet50": [32, 128]}
 
 
+def variant_name(text: str) -> str:
+    """argparse type: a VARIANTS name, optionally ``:`` and a policy."""
+    base, _, policy = text.partition(":")
+    if base not in VARIANTS or (policy and policy not in ct.batchnorm._bn_ops.POLICIES):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected one of {VARIANTS}, optionally ':' and one of "
+            f"{ct.batchnorm._bn_ops.POLICIES}"
+        )
+    return text
+
+
 def prepare(eager, variant: str, precision: str, device):
     """The variant's model (a copy of ``eager``'s weights)."""
+    variant = variant.partition(":")[0]
     model = copy.deepcopy(eager).to(device)
     if variant != "pytorch":
         memory = "inplace" if variant.startswith("ours-inplace") else "default"
@@ -90,7 +104,8 @@ class Run:
 
     def __init__(self, eager, variant, mode, precision, device, classes, policy):
         model = prepare(eager, variant, precision, device)
-        self.policy = "traced" if variant == "ours-traced" else policy
+        variant, _, own = variant.partition(":")
+        self.policy = "traced" if variant == "ours-traced" else own or policy
         self.fold = not variant.endswith("-unfolded")
         self.graphs = mode == "reduce-overhead"
         self.fn = model if MODES[mode] is None else torch.compile(model, mode=MODES[mode])
@@ -335,7 +350,7 @@ def main() -> None:
     ap.add_argument("--batches", nargs="*", type=int, help="default: 32 64 / 32 128")
     ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16cl"], choices=PRECISIONS)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS[:3]), choices=VARIANTS)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS[:3]), type=variant_name)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--loss-steps", type=int, default=20)

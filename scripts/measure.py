@@ -121,9 +121,9 @@ KINDS = ("convolution", "BN fwd", "BN bwd", "activation", "other")
 # First match wins, over cuDNN's, PyTorch's, ours (bn_*, cupy_act::) and
 # Inductor's kernel names (triton_* kernels are named after the ops they hold).
 _KIND_PATTERNS = (
-    ("BN bwd", r"batch_norm_backward|bn_bw|bn_backward|bn_finalize_grad"),
+    ("BN bwd", r"batch_norm_backward|bn_bw|bn_backward|bn_finalize_grad|bn_finalize<[12]>"),
     ("BN bwd", r"bn_reduce<[^,>]+, [^,>]+, \d+, [12], "),  # (T, layout, V, pass: 1, 2 gradients)
-    ("BN fwd", r"(?i)batch_norm|bn_fw|bn_forward|bn_finalize_stats|bn_reduce<|welford"),
+    ("BN fwd", r"(?i)batch_norm|bn_fw|bn_forward|bn_finalize|bn_update_running|bn_reduce<|welford"),
     ("convolution", r"(?i)conv|cudnn|xmma|gemm|cutlass|implicit|[wd]grad|nchwToNhwc|nhwcToNchw"),
     ("convolution", r"sm\d\d_"),
     ("activation", r"(?i)leaky_relu|relu|threshold|act_kernel|cupy_act::"),
@@ -162,14 +162,16 @@ def profile(step, steps: int = 3) -> dict:
     calls after one unprofiled one."""
     out = dict.fromkeys(KINDS, 0.0)
     other = {}
-    for name, us in kernel_us(step, steps).items():
+    kernels = kernel_us(step, steps)
+    for name, us in kernels.items():
         k = kind(name)
         out[k] += us / 1e3
         if k == "other":
             other[name] = us / 1e3
     out["total"] = sum(out[k] for k in KINDS)
     # (the largest "other" kernels: where a step's time goes beyond the named kinds)
-    out["top other"] = sorted(other.items(), key=lambda kv: -kv[1])[:8]
+    out["top other"] = sorted(other.items(), key=lambda kv: -kv[1])[:40]
+    out["kernels"] = sorted(((n, us / 1e3) for n, us in kernels.items()), key=lambda kv: -kv[1])
     return out
 
 

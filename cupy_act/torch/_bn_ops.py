@@ -323,13 +323,17 @@ class BatchNormActFunction(torch.autograd.Function):
 # "inplace" (the default): the BatchNormAct2d in memory="inplace" whose input
 # is a convolution's output (the fusers mark them; a module built directly
 # counts as one): InPlace-ABN's saving exists only through the op, and there
-# it holds; the others traced, where Inductor's fused kernels measured faster
-# in a whole model (cspdarknet53, batch 32, H200, reduce-overhead: the op in
-# every default-mode module 1.11x compiled PyTorch's step, its BatchNorm
-# kernels 0.97x Inductor's but the model's copies around an opaque op
-# +1.8 ms; docs/batchnorm.md). "after_conv": every module whose input is a
-# convolution's output, either mode; "everywhere": every module the op takes;
-# "traced": none (PyTorch's operations, as before the op existed).
+# it holds; the others traced. Measured on an H200 (reduce-overhead, batch
+# 32, docs/batchnorm.md): the op at default-mode modules as well gave
+# cspdarknet53 0.25 ms less device time per step in float32 but 0.31 ms more
+# in bfloat16 with channels-last (Inductor fuses its BatchNorm with the
+# neighbours an opaque op cannot), 1.06x compiled PyTorch's peak where every
+# module is default-mode (x saved for the op, y for the next convolution;
+# Inductor keeps the convolution's output and recomputes the rest), and
+# ResNet-50 1.036x the step and 1.84x the peak. "after_conv": every module
+# whose input is a convolution's output, either mode; "everywhere": every
+# module the op takes; "traced": none (PyTorch's operations, as before the
+# op existed).
 POLICIES = ("inplace", "after_conv", "everywhere", "traced")
 POLICY = "inplace"
 
