@@ -50,6 +50,11 @@ its CUDA-graph pool), and whether losses equal the reference's bit for bit
 The block rows give forward + backward time and the bytes autograd saved
 (all, and beyond x and the parameters), the block alone and feeding pooling
 and a linear layer, against the same block with PyTorch's operations compiled.
+
+The fused BatchNorm compiled (both memory modes and placement policies,
+float32 and bfloat16 with channels-last, each compiled variant's peak in a
+process of its own, a profile by kind of kernel) has a script of its own:
+``scripts/compiled_models.py``.
 """
 
 from __future__ import annotations
