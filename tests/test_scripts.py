@@ -122,6 +122,21 @@ def test_profile_adds_each_kind_per_step(monkeypatch):
         "Memset (Device)",
         "void at::native::vectorized_elementwise_kernel<4, add>",
     ]
+    assert [ms for _, ms in out["kernels"]] == [1.5, 0.5, 0.3, 0.25, 0.05]
+
+
+def test_compiled_models_variants_name_their_policy():
+    """compiled_models.py --variants: a variant, optionally ":" and a
+    placement policy; anything else is refused by name."""
+    import argparse
+
+    import compiled_models
+
+    assert compiled_models.variant_name("ours-inplace:inplace") == "ours-inplace:inplace"
+    assert compiled_models.variant_name("ours-unfolded") == "ours-unfolded"
+    for bad in ("ours:fast", "theirs", "theirs:after_conv"):
+        with pytest.raises(argparse.ArgumentTypeError, match=repr(bad)):
+            compiled_models.variant_name(bad)
 
 
 @pytest.mark.parametrize(
