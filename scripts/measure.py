@@ -157,9 +157,9 @@ def kernel_us(step, steps: int = 3) -> dict:
 
 
 def profile(step, steps: int = 3) -> dict:
-    """Device ms per step of ``step()`` by KINDS (and "total", and "top
-    other": the largest other kernels, (name, ms)), from ``steps`` profiled
-    calls after one unprofiled one."""
+    """Device ms per step of ``step()`` by KINDS (and "total"; "top other":
+    the largest other kernels, (name, ms); "kernels": every kernel, largest
+    first), from ``steps`` profiled calls after one unprofiled one."""
     out = dict.fromkeys(KINDS, 0.0)
     other = {}
     kernels = kernel_us(step, steps)
