@@ -73,23 +73,24 @@ def install() -> bool:
 
 
 def _make_pass(base, inner):
-    # (base: Inductor's CustomGraphPass, imported only once Inductor is in use)
+    # (base: Inductor's CustomGraphPass, imported only once Inductor is in use;
+    # inner: the hook's previous value, None, one pass or a list of them)
+    inners = [p for p in (inner if isinstance(inner, (list, tuple)) else (inner,)) if p is not None]
+
     class FoldBatchNormNeighbours(base):  # type: ignore[valid-type,misc]
-        """cupy_act's pass, after ``inner`` (the hook's previous value)."""
+        """cupy_act's pass, after the hook's previous passes."""
 
         def __call__(self, graph) -> None:
-            for p in inner if isinstance(inner, (list, tuple)) else (inner,):
-                if p is not None:
-                    p(graph)
+            for p in inners:
+                p(graph)
             if FOLD:
                 fold(graph)
 
         def uuid(self):
             from torch._inductor.custom_graph_pass import get_hash_for_files
 
-            inner_ids = [getattr(p, "uuid", lambda: repr(p))() for p in
-                         (inner if isinstance(inner, (list, tuple)) else (inner,))]  # fmt: skip
-            return (get_hash_for_files((__file__,)), FOLD, tuple(map(str, inner_ids)))
+            inner_ids = tuple(str(getattr(p, "uuid", lambda: repr(p))()) for p in inners)
+            return (get_hash_for_files((__file__,)), FOLD, inner_ids)
 
     return FoldBatchNormNeighbours()
 
