@@ -3,7 +3,7 @@
 //
 //   training forward:  bn_reduce<T, CL, V, kStats>  partial sums of x and x^2 per (channel, split),
 //                                                   then (NCHW: the channel's last block;
-//                      bn_finalize<kStats>           channels-last: a block per channel) mean,
+//                      bn_finalize<kStats>           channels-last: a warp per channel) mean,
 //                                                   invstd, running statistics, coef
 //                      bn_forward<T, CL, V, A>      y = act((x - mean) * invstd * w + b), mask
 //   eval forward:      bn_finalize_eval (from the running statistics), bn_forward
@@ -12,8 +12,6 @@
 //                      (or bn_finalize<kGrad>)       then grad_bias = sum dz, grad_weight =
 //                                                    sum dz * xhat, coef
 //                      bn_backward<T, CL, V, A, Out> dx = (dz - mean(dz) - xhat * mean(dz xhat)) * invstd * w
-//   running statistics: bn_update_running            from a training forward's moments (the
-//                                                    compiled route's separate, mutating op)
 //   synchronized (SyncBatchNorm, kSums): bn_reduce (and bn_finalize) write each channel's
 //                      sums (and the count) instead of finishing; the host all-reduces them
 //                      across processes; bn_finish_sums<P> then finishes every channel from
@@ -77,14 +75,15 @@ struct BnParams {
   float* running_var;     // [C] or null
   float* grad_weight;     // [C] or null
   float* grad_bias;       // [C] or null
-  float4* coef;           // [C] the elementwise pass's per-channel constants
+  float* coef;            // [4][C] the elementwise pass's per-channel constants: four
+                          // planes of C floats (bn_put_coef, bn_coefs)
   long long* num_batches; // or null: num_batches_tracked, incremented once by a training
                           // forward (here rather than a separate launch on the host)
   u32* arrivals;          // [C] (NCHW reductions): zero at launch, and again at exit
   const void* residual;   // or null: added before the activation, y = act(bn(x) + residual)
   void* grad_residual;    // or null: the backward writes dz (the residual's gradient) here
-  double* moments;        // [C][2] or null: the forward's mean and biased variance (for
-                          // bn_update_running), then [2C] the count, [2C + 1] a pad;
+  double* moments;        // [C][2] or null: the forward's mean and biased variance (the
+                          // compiled op's statistics), then [2C] the count, [2C + 1] a pad;
                           // kSums: where the local sums go
   const void* post;       // or null: added after the activation, out = act(bn(x)) + post
                           // (only where residual is null)
@@ -299,6 +298,22 @@ __device__ __forceinline__ float bn_bias(const BnParams& p, long long c) {
   return p.bias != nullptr ? p.bias[c] : 0.f;
 }
 
+// Channel c's four coefficients, one per plane of p.coef (structure of
+// arrays: a channels-last thread loads its V channels' values of a plane as
+// V / 4 vectors, where one float4 per channel put its lanes' loads 16 x V
+// bytes apart, V wavefronts of L1 per vector of data).
+__device__ __forceinline__ void bn_put_coef(const BnParams& p, long long c, float4 v) {
+  p.coef[c] = v.x;
+  p.coef[p.channels + c] = v.y;
+  p.coef[2 * p.channels + c] = v.z;
+  p.coef[3 * p.channels + c] = v.w;
+}
+
+__device__ __forceinline__ float4 bn_coef(const BnParams& p, long long c) {
+  return make_float4(p.coef[c], p.coef[p.channels + c], p.coef[2 * p.channels + c],
+                     p.coef[3 * p.channels + c]);
+}
+
 // mean and invstd of channel c, and coef = (mean, invstd * w, b) for bn_forward.
 __device__ __forceinline__ void bn_set_stats(const BnParams& p, long long c, double mean,
                                              double var) {
@@ -311,13 +326,13 @@ __device__ __forceinline__ void bn_set_stats(const BnParams& p, long long c, dou
     p.invstd[p.channels] = 0.f;
     p.invstd[p.channels + 1] = 0.f;
   }
-  p.coef[c] = make_float4((float)mean, invstd * bn_weight(p, c), bn_bias(p, c), 0.f);
+  bn_put_coef(p, c, make_float4((float)mean, invstd * bn_weight(p, c), bn_bias(p, c), 0.f));
 }
 
 // Channel c's running statistics from the batch's mean and biased variance
 // (PyTorch's rules: momentum average, unbiased variance; callers refuse a
-// single value per channel). One function for bn_finish_stats and
-// bn_update_running, so that both round alike.
+// single value per channel). The compiled op passes the module's buffers
+// here too (batchnorm_act's update_mean and update_var).
 __device__ __forceinline__ void bn_running(const BnParams& p, long long c, double mean,
                                            double var, double count) {
   const double m = p.momentum;
@@ -377,7 +392,7 @@ __device__ __forceinline__ void bn_finish_grad(const BnParams& p, long long c, d
     g = invstd * (sum_dzx / count) * (out ? 1.0 : k);
     h = (sum_dz / count) * k;
   }
-  p.coef[c] = make_float4(ctr, (float)k, (float)g, (float)h);
+  bn_put_coef(p, c, make_float4(ctr, (float)k, (float)g, (float)h));
 }
 
 // kSums (one process of a synchronized BatchNorm): channel c's local sums into
@@ -396,20 +411,26 @@ __device__ __forceinline__ void bn_local_sums(const BnParams& p, long long c, do
   }
 }
 
+// Channel c's statistics (kStats) or gradients from its sums a, b, or
+// (kSums) its local sums: one thread.
+template <int P>
+__device__ __forceinline__ void bn_finish_sums_of(const BnParams& p, long long c, double a,
+                                                  double b) {
+  if (p.flags & kSums)
+    bn_local_sums<P>(p, c, a, b);
+  else if (P == kStats)
+    bn_finish_stats(p, c, a, b, bn_count(p));
+  else
+    bn_finish_grad(p, c, a, b, bn_count(p));
+}
+
 // The block: channel c's partial sums, then its statistics (kStats) or
 // gradients, or (kSums) its local sums.
 template <int P>
 __device__ __forceinline__ void bn_finish(const BnParams& p, long long c, double* s1, double* s2) {
   double a, b;
   bn_sum_partials(p, c, s1, s2, a, b);
-  if (threadIdx.x == 0) {
-    if (p.flags & kSums)
-      bn_local_sums<P>(p, c, a, b);
-    else if (P == kStats)
-      bn_finish_stats(p, c, a, b, bn_count(p));
-    else
-      bn_finish_grad(p, c, a, b, bn_count(p));
-  }
+  if (threadIdx.x == 0) bn_finish_sums_of<P>(p, c, a, b);
 }
 
 // NCHW: block (split, channel); the block's threads walk the channel's N planes
@@ -526,11 +547,32 @@ __global__ void __launch_bounds__(kBnThreads) bn_reduce(const BnParams p) {
     bn_reduce_planes<T, V, P, A>(p);
 }
 
-// Channels-last reductions: a block per channel.
+// Channels-last reductions: a warp per channel (kBnThreads / 32 channels a
+// block). Lane l sums splits l, l + 32, ... in order (one-wave grids leave a
+// few hundred splits per channel), then a fixed-order shuffle tree; lane 0
+// finishes. A block per channel, with its shared-memory tree and a barrier
+// per level, took 3-7 us per launch where the reduction before it took 5-8
+// (H200, 2026-11-29): (32, 1024, 8, 8) float32 6.6 us.
+constexpr int kBnWarps = kBnThreads / 32;
+
 template <int P>
 __global__ void __launch_bounds__(kBnThreads) bn_finalize(const BnParams p) {
-  __shared__ double s1[kBnThreads], s2[kBnThreads];
-  bn_finish<P>(p, blockIdx.x, s1, s2);
+  const long long c = (long long)blockIdx.x * kBnWarps + threadIdx.x / 32;
+  if (c >= p.channels) return;  // (whole warps)
+  const int lane = threadIdx.x & 31;
+  const double* part = p.partial + c * p.splits * 2;
+  double a = 0.0, b = 0.0;
+#pragma unroll 4
+  for (long long s = lane; s < p.splits; s += 32) {
+    a += __ldcg(part + 2 * s);
+    b += __ldcg(part + 2 * s + 1);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) {
+    a += __shfl_down_sync(0xffffffffu, a, o);
+    b += __shfl_down_sync(0xffffffffu, b, o);
+  }
+  if (lane == 0) bn_finish_sums_of<P>(p, c, a, b);
 }
 
 // Eval: a thread per channel, from the running statistics.
@@ -543,13 +585,6 @@ __global__ void __launch_bounds__(kBnThreads) bn_finalize_eval(const BnParams p)
     p.moments[2 * c + 1] = p.running_var[c];
     bn_set_count(p, c, bn_count(p));
   }
-}
-
-// The running statistics from a training forward's p.moments, a thread per
-// channel (torch.compile: the forward is a functional op, this the mutating one).
-__global__ void __launch_bounds__(kBnThreads) bn_update_running(const BnParams p) {
-  const long long c = (long long)blockIdx.x * kBnThreads + threadIdx.x;
-  if (c < p.channels) bn_running(p, c, p.moments[2 * c], p.moments[2 * c + 1], bn_count(p));
 }
 
 // Synchronized: every channel finished from the process group's totals in
@@ -572,15 +607,37 @@ __global__ void __launch_bounds__(kBnThreads) bn_finish_sums(const BnParams p) {
 // Channels-last: the host sizes the elementwise grids so that each thread's
 // vectors share one column of V channels (the grid's vectors per trip a
 // multiple of C / V, or a single trip): a thread loads its V coefficients
-// once. Loaded per vector, they were V float4 loads whose lanes lie 16 x V
-// bytes apart, and the L1 wavefronts, not DRAM, set the pass's speed.
+// once, a plane at a time, 16 bytes per load (C is a multiple of V >= 4
+// there, and the planes 16-byte aligned). Loaded per vector, they were V
+// float4 loads whose lanes lie 16 x V bytes apart, and the L1 wavefronts, not
+// DRAM, set the pass's speed; loaded once per thread as float4 per channel,
+// they still did where a thread has one trip (a small layer: (32, 128, 32,
+// 32) bfloat16 took 23 us against PyTorch's 7).
 template <bool CL, int V>
 __device__ __forceinline__ void bn_coefs(const BnParams& p, long long first, float4 (&q)[V]) {
   if constexpr (CL) {
     long long row;
     const long long c = bn_channel<true>(first, p, row);
+    float f[4][V];
 #pragma unroll
-    for (int j = 0; j < V; ++j) q[j] = p.coef[c + j];
+    for (int k = 0; k < 4; ++k) {
+      const float* src = p.coef + k * p.channels + c;
+      if constexpr (V % 4 == 0) {
+#pragma unroll
+        for (int j = 0; j < V; j += 4) {
+          const float4 t = *reinterpret_cast<const float4*>(src + j);
+          f[k][j] = t.x;
+          f[k][j + 1] = t.y;
+          f[k][j + 2] = t.z;
+          f[k][j + 3] = t.w;
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) f[k][j] = src[j];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < V; ++j) q[j] = make_float4(f[0][j], f[1][j], f[2][j], f[3][j]);
   }
 }
 
@@ -623,7 +680,7 @@ __global__ void __launch_bounds__(kBnThreads) bn_forward(const BnParams p) {
         const long long i = k * V;
         if (!CL) {
           long long img;
-          q[0] = p.coef[bn_channel<false>(i, p, img)];
+          q[0] = bn_coef(p, bn_channel<false>(i, p, img));
         }
         float v[V];
 #pragma unroll
@@ -666,7 +723,7 @@ __global__ void __launch_bounds__(kBnThreads) bn_backward(const BnParams p) {
     const long long i = k * V;
     long long outer = 0;
     if (!CL)
-      q[0] = p.coef[bn_channel<false>(i, p, outer)];
+      q[0] = bn_coef(p, bn_channel<false>(i, p, outer));
     else if (p.dy_skip != 0)
       outer = quot(i, p.channels, p.inv_channels);
     float v[V], d[V], r[V] = {};

@@ -46,7 +46,7 @@ def _names(dtype: str) -> list[str]:
                 if act in INVERTIBLE:
                     names.append(f"cupy_act::bn_reduce<{t}, {cl}, {v}, {GRAD_FROM_OUTPUT}, {a}>")
                     names.append(f"cupy_act::bn_backward<{t}, {cl}, {v}, {a}, true>")
-    per_channel = ["bn_finalize_eval", "bn_update_running"] + [
+    per_channel = ["bn_finalize_eval"] + [
         f"{k}<{p}>" for k in ("bn_finalize", "bn_finish_sums") for p in (STATS, GRAD)
     ]
     return names + [f"cupy_act::{k}" for k in per_channel]
@@ -192,7 +192,7 @@ class Pass(NamedTuple):
     synchronized forward normalized over (one double, and one of padding).
     A pass's work area
     (``work`` doubles, dead after it): partial sums (channels x splits x 2),
-    then coef (a float4 per channel, at byte ``coef`` of the work area)."""
+    then coef (four planes of C floats, at byte ``coef`` of the work area)."""
 
     shape: Shape
     plan: Plan
@@ -215,7 +215,6 @@ PASSES: dict[str, dict[bool, tuple[str, ...]]] = {
         False: ("reduce2", "backward_from_output"),
         True: ("reduce2", "finalize1", "backward_from_output"),
     },
-    "running": {False: ("update_running",), True: ("update_running",)},
     # synchronized (SyncBatchNorm): "*_local" writes each channel's sums (SUMS
     # flag) for the host to all-reduce; "*_sync" finishes from the totals
     "forward_local": {False: ("reduce0",), True: ("reduce0", "finalize0")},
@@ -272,7 +271,7 @@ def _need(s: Shape, p: Plan, which: str) -> Buffers:
     """Bytes the pass's kernels may read or write from each Buffers address
     (0: not indexed): x, y (and dy in a backward) hold n elements, the mask
     one bit per element in 32-bit words, every per-channel array C floats,
-    the partial sums C x splits pairs of doubles, coef a float4 per channel,
+    the partial sums C x splits pairs of doubles, coef four floats per channel,
     the moments two doubles per channel, then the count and a pad.
     Synchronized passes: the sums (written by "*_local" into the moments
     address, read by "*_sync" from the partial address) two doubles per
@@ -311,7 +310,7 @@ def _refuse(ps: Pass, b: Buffers, have: tuple) -> None:
 def _name(s: Shape, p: Plan, kernel: str) -> str:
     """The instantiation of one kernel of a pass (a PASSES entry)."""
     t, cl, a = CTYPES[s.dtype], "true" if s.channels_last else "false", ACTS[s.act]
-    if kernel in ("finalize_eval", "update_running"):
+    if kernel == "finalize_eval":
         return f"cupy_act::bn_{kernel}"
     if kernel.startswith(("finish_sums", "finalize")):
         return f"cupy_act::bn_{kernel[:-1]}<{kernel[-1]}>"
@@ -325,14 +324,14 @@ def _name(s: Shape, p: Plan, kernel: str) -> str:
 
 
 def _launch_of(s: Shape, p: Plan, kernel: str) -> tuple:
-    """(ptr, ctx, grid) of one kernel of a pass: "finalize<P>" (a block per
-    channel), "finalize_eval" / "update_running" / "finish_sums<P>" (a thread
+    """(ptr, ctx, grid) of one kernel of a pass: "finalize<P>" (a warp per
+    channel), "finalize_eval" / "finish_sums<P>" (a thread
     per channel), "reduce<P>" (splits x channel tiles) or the elementwise
     "forward" / "backward" / "backward_from_output" (grid-stride)."""
-    if kernel in ("finalize_eval", "update_running") or kernel.startswith("finish_sums"):
+    if kernel == "finalize_eval" or kernel.startswith("finish_sums"):
         grid = (-(-s.channels // THREADS), 1)
     elif kernel.startswith("finalize"):
-        grid = (s.channels, 1)
+        grid = (-(-s.channels // (THREADS // 32)), 1)
     elif kernel.startswith("reduce"):
         cols = s.channels // p.width
         grid = (p.splits, -(-cols // min(cols, 32)) if s.channels_last else s.channels)
@@ -376,7 +375,7 @@ def run(ps: Pass, stream: int, b: Buffers, have: tuple, momentum: float, eps: fl
     gradients (where given), then dx into b.y (and dz into b.grad_residual,
     where given); FROM_OUTPUT: b.x holds the forward's output (the in-place
     mode; b.residual the forward's); EVAL: the forward normalized with the
-    running statistics. "running": the running statistics from b.moments.
+    running statistics.
     Synchronized (flags | SUMS for "*_local"): "*_local" writes the local
     sums into b.moments (the backward: grad_weight and grad_bias too);
     "*_sync" reads the group's totals from b.partial and the forward's

@@ -1,7 +1,8 @@
 """BatchNorm + LeakyReLU, training forward and forward + backward, at a CNN layer's shape.
 
-    PYTHONPATH=. python scripts/bn_bench.py [--shape 32 32 256 256] [--dtype float32]
-        [--channels-last] [--rounds 20] [--neighbour] [--kernels] [--eager-only]
+    PYTHONPATH=. python scripts/bn_bench.py [--shape 32 32 256 256 [--shape ...]]
+        [--dtype float32] [--channels-last] [--rounds 20] [--neighbour] [--kernels]
+        [--eager-only]
 
 Candidates, timed interleaved with CUDA events (median): PyTorch eager
 (``nn.BatchNorm2d`` then ``nn.LeakyReLU(0.01, inplace=True)``, timm's
@@ -44,7 +45,9 @@ class Neighbour(nn.Module):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", nargs=4, type=int, default=[32, 32, 256, 256])
+    ap.add_argument("--shape", nargs=4, type=int, action="append",
+                    help="N C H W (repeat for more shapes, one after another; default "
+                         "32 32 256 256)")  # fmt: skip
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--channels-last", action="store_true")
     ap.add_argument("--rounds", type=int, default=20)
@@ -55,9 +58,15 @@ def main() -> None:
     import measure  # (scripts/measure.py, beside this script)
 
     measure.require_gpu("bn_bench.py")
+    for shape in args.shape or [[32, 32, 256, 256]]:
+        bench(args, tuple(shape))
+
+
+def bench(args, shape: tuple) -> None:
+    """Every candidate at one shape: the timings, then (``--kernels``) the kernels."""
     dtype = getattr(torch, args.dtype)
     fmt = torch.channels_last if args.channels_last else torch.contiguous_format
-    n, c, h, w = args.shape
+    n, c, h, w = shape
     x = torch.randn(n, c, h, w, device="cuda").to(dtype).contiguous(memory_format=fmt)
     gy = torch.randn_like(x)
     torch.backends.cudnn.benchmark = True
@@ -122,7 +131,7 @@ def main() -> None:
         bw = 2 * size / (t["copy"] * 1e-3)
         floor, floor_inplace = nbytes / bw * 1e3, nbytes_inplace / bw * 1e3
         print(
-            f"{what} {tuple(args.shape)} {args.dtype} {'NHWC' if args.channels_last else 'NCHW'}:"
+            f"{what} {shape} {args.dtype} {'NHWC' if args.channels_last else 'NCHW'}:"
             f" copy {bw / 1e9:.0f} GB/s, floor {floor:.3f} ms (in place {floor_inplace:.3f})"
         )
         for k, m in models.items():

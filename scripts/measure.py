@@ -123,7 +123,7 @@ KINDS = ("convolution", "BN fwd", "BN bwd", "activation", "other")
 _KIND_PATTERNS = (
     ("BN bwd", r"batch_norm_backward|bn_bw|bn_backward|bn_finalize_grad|bn_finalize<[12]>"),
     ("BN bwd", r"bn_reduce<[^,>]+, [^,>]+, \d+, [12], "),  # (T, layout, V, pass: 1, 2 gradients)
-    ("BN fwd", r"(?i)batch_norm|bn_fw|bn_forward|bn_finalize|bn_update_running|bn_reduce<|welford"),
+    ("BN fwd", r"(?i)batch_norm|bn_fw|bn_forward|bn_finalize|bn_reduce<|welford"),
     ("convolution", r"(?i)conv|cudnn|xmma|gemm|cutlass|implicit|[wd]grad|nchwToNhwc|nhwcToNchw"),
     ("convolution", r"sm\d\d_"),
     ("activation", r"(?i)leaky_relu|relu|threshold|act_kernel|cupy_act::"),

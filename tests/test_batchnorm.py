@@ -267,7 +267,7 @@ def test_launch_plan(act, channels_last, monkeypatch):
     assert _batchnorm.prepare(s, 256 | 520, "forward").plan.width == 1
     buffers = _batchnorm.Buffers(*range(1, len(_batchnorm.Buffers._fields) + 1))
     synced = ("forward_local", "forward_sync", "backward_local", "backward_sync")
-    for which in ("forward", "backward", "eval", "running", *synced):
+    for which in ("forward", "backward", "eval", *synced):
         ps = _batchnorm.prepare(s, 256 | 512, which)
         assert ps.plan.width == p.width and ps.moments % 16 == 0 and ps.coef % 16 == 0
         # (mean and invstd, then the moments, the count and a pad)
@@ -290,7 +290,6 @@ def test_launch_plan(act, channels_last, monkeypatch):
         "bn_reduce", *finish, "bn_forward",
         "bn_reduce", *finish, "bn_backward",
         "bn_finalize_eval", "bn_forward",
-        "bn_update_running",
         "bn_reduce", *finish, "bn_finish_sums", "bn_forward",
         "bn_reduce", *finish, "bn_finish_sums", "bn_backward",
     ]  # fmt: skip
@@ -301,7 +300,10 @@ def test_launch_plan(act, channels_last, monkeypatch):
     per_sm, share = (3, 8192) if channels_last else (32, 2048)
     splits = _batchnorm.plan(s, 256 | 512, per_sm).splits
     assert launched[0][1] == launched[per_pass][1] == (splits, blocks)
-    assert launched[2 * per_pass][1] == launched[2 * per_pass + 2][1] == (1, 1)  # (per channel)
+    # (a thread per channel: finalize_eval, finish_sums)
+    assert launched[2 * per_pass][1] == launched[3 * per_pass + 1][1] == (1, 1)
+    if channels_last:  # (the finishing launch: a warp per channel, 8 a block)
+        assert launched[1][1] == launched[per_pass + 1][1] == (6, 1)
     assert splits == min(per_sm * 132 // blocks, -(-s.n // blocks // share))
     assert 1 < splits * share <= s.n // blocks + share  # each block's share >= share elements
     odd = _batchnorm.shape(0, "float32", act, channels_last, 2 * 6 * 5 * 5, 25, 6)
@@ -329,7 +331,7 @@ def test_kernels_compile_with_nvrtc(arch):
     finally:
         nvrtc.destroyProgram(prog)
     entries = re.findall(r"^\.(?:visible|weak) \.entry ", ptx, re.M)
-    assert len(entries) == len(set(names)) == 6 + 3 * 4 * 14  # (dtype, layout, width) x kernels
+    assert len(entries) == len(set(names)) == 5 + 3 * 4 * 14  # (dtype, layout, width) x kernels
     sizes = set(re.findall(r"\.param \.align \d+ \.b8 \S+_param_0\[(\d+)\]", ptx))
     assert sizes == {str(_batchnorm._PARAMS.size)}
     assert "__local_depot" not in ptx

@@ -17,7 +17,7 @@ from torch import nn  # noqa: E402
 
 import cupy_act.torch as ct  # noqa: E402
 from cupy_act import testing  # noqa: E402
-from cupy_act.torch import _bn_ops, _impl  # noqa: E402
+from cupy_act.torch import _bn_graph, _bn_ops, _impl  # noqa: E402
 from cupy_act.torch import batchnorm as bnmod  # noqa: E402
 
 
@@ -155,7 +155,6 @@ def stand_ins():
 
     lib.impl("batchnorm_act", zeros(_bn_ops._forward_fake), "CPU")
     lib.impl("batchnorm_act_backward", zeros(_bn_ops._backward_fake), "CPU")
-    lib.impl("batchnorm_running_", _bn_ops._running_fake, "CPU")
     yield
     lib._destroy()
 
@@ -186,8 +185,9 @@ def _compiled_graphs(model, x, monkeypatch, policy):
 )
 def test_ops_placed_by_policy(policy, memory, ops, monkeypatch, stand_ins):
     """The forward graph calls the op at every fused module the policy names
-    (and the running-statistics op after each), the backward graph its
-    backward op as often; "traced" leaves PyTorch's operations. (With
+    (each updating its module's running statistics, no separate op), the
+    backward graph its backward op as often; "traced" leaves PyTorch's
+    operations. (With
     memory="inplace" only bn1, LeakyReLU after a convolution, is in place:
     the others' activations are ReLUs.)"""
     gm, _ = ct.fuse_batchnorm_act_fx(_LeakyFirst(), memory=memory)
@@ -195,10 +195,53 @@ def test_ops_placed_by_policy(policy, memory, ops, monkeypatch, stand_ins):
     rec = _compiled_graphs(gm, torch.randn(2, 3, 6, 6, requires_grad=True), monkeypatch, policy)
     forward = rec.graphs[0].code
     assert forward.count("cupy_act.batchnorm_act.default") == ops
-    assert forward.count("cupy_act.batchnorm_running_.default") == ops
+    assert sum(map(_bn_graph._is_op, rec.graphs[0].graph.nodes)) == ops
     if ops:
         assert rec.graphs[1].code.count("cupy_act.batchnorm_act_backward.default") == ops
     assert ("native_batch_norm" in forward or "batch_norm" in forward) == (ops < 3)
+
+
+def test_compiled_forward_updates_the_running_statistics(monkeypatch):
+    """A compiled training step's op updates its module's running mean and
+    variance itself (mutable arguments, through functionalization to the
+    buffers), with the module's momentum; no other op does; in eval the op
+    reads them and updates nothing. The CPU stand-in writes markers where
+    the kernels would write the new statistics."""
+    lib = torch.library.Library("cupy_act", "IMPL")
+
+    def forward(*args, **kwargs):
+        out = tuple(t.zero_() for t in _bn_ops._forward_fake(*args, **kwargs))
+        names = [a.name for a in torch.ops.cupy_act.batchnorm_act.default._schema.arguments]
+        given = dict(zip(names, args), **kwargs)
+        if given.get("update_mean") is not None:
+            given["update_mean"].fill_(given["momentum"] * 10)
+            given["update_var"].fill_(7.0)
+        return out
+
+    lib.impl("batchnorm_act", forward, "CPU")
+    lib.impl("batchnorm_act_backward",
+             lambda *a: tuple(t.zero_() for t in _bn_ops._backward_fake(*a)), "CPU")  # fmt: skip
+    try:
+        gm, _ = ct.fuse_batchnorm_act_fx(_LeakyFirst())
+        gm.bn2.momentum = 0.3
+        rec = _compiled_graphs(gm, torch.randn(2, 3, 6, 6), monkeypatch, "everywhere")
+        calls = [n for n in rec.graphs[0].graph.nodes if _bn_graph._is_op(n)]
+        assert len(calls) == 3 and "batchnorm_running" not in rec.code()
+        for bn, momentum in ((gm.bn1, 0.1), (gm.bn2, 0.3), (gm.bn3, 0.1)):
+            assert torch.all(bn.running_mean == momentum * 10), bn.running_mean
+            assert torch.all(bn.running_var == 7.0) and bn.num_batches_tracked == 1
+        gm.eval()
+        torch._dynamo.reset()
+        rec = Recorder()
+        with torch.no_grad():
+            torch.compile(gm, backend=rec, fullgraph=True)(torch.randn(2, 3, 6, 6))
+        torch._dynamo.reset()
+        calls = [n for n in rec.graphs[0].graph.nodes if _bn_graph._is_op(n)]
+        assert len(calls) == 3
+        assert all(_bn_graph._arg(n, 13, "update_mean") is None for n in calls)
+        assert torch.all(gm.bn1.running_var == 7.0) and gm.bn1.num_batches_tracked == 1
+    finally:
+        lib._destroy()
 
 
 def test_residual_that_is_the_input_compiles(monkeypatch, stand_ins):
@@ -245,10 +288,9 @@ def test_inplace_mode_saves_y_alone_under_compile(memory, monkeypatch, stand_ins
     ours.after_conv = True
     x = torch.randn(2, 3, 6, 6)
     rec = _compiled_graphs(model, x, monkeypatch, "after_conv")
-    call = next(n for n in rec.graphs[0].graph.nodes
-                if n.op == "call_function" and "batchnorm_act" in str(n.target))  # fmt: skip
-    assert call.args[10] == (memory == "inplace")  # (from_output)
-    numel = call.args[0].meta["val"].numel()
+    call = next(n for n in rec.graphs[0].graph.nodes if _bn_graph._is_op(n))
+    assert _bn_graph._arg(call, 10, "from_output") == (memory == "inplace")
+    numel = _bn_graph._arg(call, 0, "x").meta["val"].numel()
     saved = [n for n in rec.graphs[1].graph.find_nodes(op="placeholder")
              if not n.name.startswith("tangents")]  # fmt: skip
     big = [n.name for n in saved if n.meta["val"].numel() == numel]
@@ -282,8 +324,9 @@ def test_ops_check_every_tensor_before_a_launch(device, launched):  # noqa: F811
     op = torch.ops.cupy_act
 
     def fwd(x=x, w=w, b=b, r=None, rm=None, rv=None, act="relu", slope=0.0, ev=False,
-            out=False):  # fmt: skip
-        return lambda: op.batchnorm_act(x, w, b, r, rm, rv, 1e-5, act, slope, ev, out, True)
+            out=False, um=None, uv=None):  # fmt: skip
+        return lambda: op.batchnorm_act(x, w, b, r, rm, rv, 1e-5, act, slope, ev, out, True,
+                                        None, um, uv, 0.1)  # fmt: skip
 
     def bwd(src=x, dy=x, mask=mask, stats=stats, r=None, act="relu", out=False):
         return lambda: op.batchnorm_act_backward(
@@ -308,12 +351,13 @@ def test_ops_check_every_tensor_before_a_launch(device, launched):  # noqa: F811
         "stats short": (bwd(stats=stats[:20]), "stats must be float64 with 26 elements"),
         "from y without residual's shape": (bwd(r=x[:, :2], act="leaky_relu", out=True),
                                             "residual has shape"),
-        "running dtype": (lambda: op.batchnorm_running_(rm.double(), rv, stats, x.numel(), 0.1),
-                          "running_mean must be a dense float32"),
-        "running stats": (lambda: op.batchnorm_running_(rm, rv, stats[:4], x.numel(), 0.1),
-                          "stats must be float64 with 26"),
-        "running n": (lambda: op.batchnorm_running_(rm, rv, stats, 12, 0.1),
-                      "n=12 must be a multiple of the 8 channels"),
+        "update dtype": (fwd(um=rm.double(), uv=rv), "update_mean must be a float32 tensor"),
+        "update length": (fwd(um=rm, uv=rv[:4]), r"update_var must be a float32 tensor of sh"),
+        "update strided": (fwd(um=rm, uv=torch.ones(16, device=device)[::2]),
+                           "update_var must be dense"),
+        "update alone": (fwd(um=rm), "update_mean and update_var go together"),
+        "update in eval": (fwd(ev=True, rm=rm, rv=rv, um=rm, uv=rv),
+                           "update_mean and update_var are a training forward's"),
     }  # fmt: skip
     for what, (call, words) in bad.items():
         with pytest.raises((ValueError, TypeError), match="cupy_act::batchnorm.*" + words):
@@ -327,7 +371,7 @@ def test_ops_check_every_tensor_before_a_launch(device, launched):  # noqa: F811
 @pytest.mark.parametrize("memory", ["default", "inplace"])
 @pytest.mark.parametrize("residual", [False, True])
 def test_opcheck(memory, residual):
-    """torch.library.opcheck on the three ops (schema, fake kernels, dynamo;
+    """torch.library.opcheck on the two ops (schema, fake kernels, dynamo;
     their autograd is BatchNormActFunction's, tested with the compiled steps)."""
     from torch.library import opcheck
 
@@ -349,7 +393,11 @@ def test_opcheck(memory, residual):
     opcheck(torch.ops.cupy_act.batchnorm_act_backward,
             (src, torch.randn_like(src), mask, w, b, stats, r, act, 0.1, False, inplace, True,
              True, residual))  # fmt: skip
-    opcheck(torch.ops.cupy_act.batchnorm_running_, (rm, rv, stats, x.numel(), 0.1))
+    # (a training forward that updates running statistics: declared mutations)
+    opcheck(
+        torch.ops.cupy_act.batchnorm_act,
+        (x, w, b, r, None, None, 1e-5, act, 0.1, False, inplace, True, None, rm, rv, 0.1),
+    )
 
 
 def _train_steps(model, xs, rs, gy, steps, graphs=False):

@@ -90,7 +90,6 @@ def test_bench_targets_met_and_missed():
         ("void cupy_act::bn_finalize<0>(cupy_act::BnParams)", "BN fwd"),
         ("void cupy_act::bn_finalize<1>(cupy_act::BnParams)", "BN bwd"),
         ("void cupy_act::bn_finalize<2>(cupy_act::BnParams)", "BN bwd"),
-        ("cupy_act::bn_update_running(cupy_act::BnParams)", "BN fwd"),
         ("cudnn::bn_fw_tr_1C11_kernel_NCHW", "BN fwd"),
         ("triton_red_fused_native_batch_norm_backward_3", "BN bwd"),
         ("sm90_xmma_fprop_implicit_gemm_tf32", "convolution"),

@@ -99,19 +99,34 @@ def _op():
     return torch.ops.cupy_act.batchnorm_act.default
 
 
+def _is_op(node) -> bool:
+    """A call of the op: direct, or (a training forward, which mutates the
+    running statistics) inside functionalization's ``auto_functionalized``
+    wrapper, whose kwargs are the op's arguments and whose items start with
+    the op's outputs."""
+    if node.op != "call_function":
+        return False
+    if node.target is _op():
+        return True
+    return "auto_functionalized" in str(node.target) and node.args[:1] == (_op(),)
+
+
 # the op's residual, from_output and post arguments (its schema: _bn_ops)
 _RESIDUAL, _FROM_OUTPUT, _POST = 3, 10, 12
 
 
 def _arg(node, i: int, name: str, default=None):
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+    """The op's argument ``name`` (position i) at a call (a wrapped call has them by name)."""
+    if node.target is _op() and len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
 
 
 def _output_of(node):
     """The op node whose output (item 0) ``node`` is, else None."""
     if node.op == "call_function" and node.target is operator.getitem and node.args[1] == 0:
         src = node.args[0]
-        if src.op == "call_function" and src.target is _op():
+        if _is_op(src):
             return src
     return None
 
@@ -216,6 +231,7 @@ def _post_adds(graph) -> int:
                 continue
             if vs.device != vy.device:
                 continue
+            # (a wrapped op: args holds the op alone, kwargs its arguments)
             args, kwargs = op.args, {**op.kwargs, "post": s}
             if len(args) > _POST:  # (post given by position)
                 args, kwargs = (*args[:_POST], s, *args[_POST + 1 :]), op.kwargs

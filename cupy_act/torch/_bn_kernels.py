@@ -271,14 +271,6 @@ def backward(src, gy, mask, weight, bias, stats, residual, s: _bn.Shape, mode: M
     return dx, gw, gb, gr
 
 
-def update_running(running_mean, running_var, stats, s: _bn.Shape, momentum: float) -> None:
-    """The running statistics from a training forward's moments (in ``stats``)."""
-    ps = _bn.prepare(s, 0, "running")
-    b, have = bind(running_mean=running_mean, running_var=running_var,
-                   moments=at(stats, ps.moments))  # fmt: skip
-    _bn.run(ps, _impl._raw_stream(s.device), b, have, momentum, 0.0, 0.0, 0)
-
-
 # ---- synchronized BatchNorm: local sums, then (after the caller's all-reduce) the rest ----
 
 

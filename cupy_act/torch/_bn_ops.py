@@ -1,18 +1,18 @@
 """The fused BatchNorm + activation as operators that compiled graphs call.
 
     cupy_act::batchnorm_act(x, weight?, bias?, residual?, running_mean?, running_var?,
-                            eps, act, slope, evaluate, from_output, grad, post?=None)
+                            eps, act, slope, evaluate, from_output, grad, post?=None,
+                            update_mean!?=None, update_var!?=None, momentum=0.0)
         -> (y, stats, mask)
     cupy_act::batchnorm_act_backward(src, dy, mask, weight?, bias?, stats, residual?,
                                      act, slope, evaluate, from_output,
                                      need_weight, need_bias, need_residual)
         -> (dx, grad_weight, grad_bias, grad_residual)
-    cupy_act::batchnorm_running_(running_mean!, running_var!, stats, n, momentum)
 
 Registered through ``torch.library.Library`` (``define``, ``impl``, a fake
 kernel each): the dispatcher calls the implementation directly, without
 ``custom_op``'s per-call Python layers. The autograd formula is
-``BatchNormActFunction``, an ``autograd.Function`` over the first two ops,
+``BatchNormActFunction``, an ``autograd.Function`` over the two ops,
 which Dynamo traces into the forward and backward graphs; registered on the
 op itself (``torch.library.register_autograd``) it would be a Python kernel
 that every call of the op in a compiled graph passes through (measured:
@@ -20,14 +20,17 @@ that every call of the op in a compiled graph passes through (measured:
 a call on a 2-core CPU host, 2026-11-29), where the Function costs nothing
 after tracing.
 
-The forward is functional: y is a new tensor in both memory modes.
-``from_output`` (the in-place mode) makes autograd save y instead of x (and
-the residual, which the inversion subtracts), so x, typically a
-convolution's output, dies after the call: InPlace-ABN's saving without
-mutating anything. The running statistics, which a functional op cannot
-update, are the third op's: it mutates them from the moments the forward
-kept in ``stats`` (``_bn.Pass``), with the same arithmetic as the eager
-kernels' (``bn_running`` in ``cuda/batchnorm.cu``): the same bits.
+y is a new tensor in both memory modes. ``from_output`` (the in-place
+mode) makes autograd save y instead of x (and the residual, which the
+inversion subtracts), so x, typically a convolution's output, dies after
+the call: InPlace-ABN's saving without mutating x. A training forward
+updates the running statistics it is given as ``update_mean`` and
+``update_var``, mutable arguments, in the kernel that finishes the
+statistics, as the eager path does: the same bits. A separate mutating op
+after the forward cost a launch per module, 0.12 ms of a 17.4 ms
+cspdarknet53 step (H200, 2026-11-29). Functionalization wraps such a call in
+``auto_functionalized`` and Inductor's reinplacing hands the op the
+module's own buffers, no copies; ``_bn_graph`` looks through the wrapper.
 
 Layout: tagged ``flexible_layout`` (where torch has the tag), so Inductor
 hands the op its tensors in the layout it chose (channels-last after its
@@ -57,7 +60,9 @@ _lib = torch.library.Library("cupy_act", "FRAGMENT")
 _lib.define(
     "batchnorm_act(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, "
     "Tensor? running_mean, Tensor? running_var, float eps, str act, float slope, "
-    "bool evaluate, bool from_output, bool grad, Tensor? post=None) -> (Tensor, Tensor, Tensor)",
+    "bool evaluate, bool from_output, bool grad, Tensor? post=None, "
+    "Tensor(a!)? update_mean=None, Tensor(b!)? update_var=None, float momentum=0.0) "
+    "-> (Tensor, Tensor, Tensor)",
     tags=_FLEXIBLE,
 )
 _lib.define(
@@ -66,14 +71,9 @@ _lib.define(
     "bool need_weight, bool need_bias, bool need_residual) -> (Tensor, Tensor, Tensor, Tensor)",
     tags=_FLEXIBLE,
 )
-_lib.define(
-    "batchnorm_running_(Tensor(a!) running_mean, Tensor(b!) running_var, Tensor stats, "
-    "int n, float momentum) -> ()"
-)
 
 _FWD = "cupy_act::batchnorm_act"
 _BWD = "cupy_act::batchnorm_act_backward"
-_RUN = "cupy_act::batchnorm_running_"
 
 
 def _fail(fname: str, what: str) -> None:
@@ -123,7 +123,8 @@ def _check_mode(fname: str, act: str, slope: float, from_output: bool) -> None:
 
 
 def _check_forward(x, weight, bias, residual, running_mean, running_var, act, slope,
-                   evaluate, from_output, post) -> None:  # fmt: skip
+                   evaluate, from_output, post, update_mean=None,
+                   update_var=None) -> None:  # fmt: skip
     _check_x(_FWD, "x", x)
     for name, t in (("weight", weight), ("bias", bias)):
         _check_channel(_FWD, name, t, x)
@@ -139,7 +140,16 @@ def _check_forward(x, weight, bias, residual, running_mean, running_var, act, sl
             _fail(_FWD, "evaluate=True needs running_mean and running_var")
         for name, t in (("running_mean", running_mean), ("running_var", running_var)):
             _check_channel(_FWD, name, t, x)
-    elif x.numel() // max(x.shape[1], 1) <= 1:
+    if (update_mean is None) != (update_var is None):
+        _fail(_FWD, "update_mean and update_var go together: pass both or neither")
+    if update_mean is not None:
+        if evaluate:
+            _fail(_FWD, "update_mean and update_var are a training forward's (evaluate=False)")
+        for name, t in (("update_mean", update_mean), ("update_var", update_var)):
+            _check_channel(_FWD, name, t, x)
+            if not t.is_contiguous():
+                _fail(_FWD, f"{name} must be dense")
+    if not evaluate and x.numel() // max(x.shape[1], 1) <= 1:
         raise ValueError(
             f"{_FWD}: expected more than 1 value per channel when training, got input size "
             f"{list(x.shape)}"
@@ -156,10 +166,11 @@ def _outputs(x: Tensor, act: str, from_output: bool, grad: bool):
 
 
 def _forward_impl(x, weight, bias, residual, running_mean, running_var, eps, act, slope,
-                  evaluate, from_output, grad, post=None):  # fmt: skip
+                  evaluate, from_output, grad, post=None, update_mean=None, update_var=None,
+                  momentum=0.0):  # fmt: skip
     _check_forward(
         x, weight, bias, residual, running_mean, running_var, act, slope, evaluate, from_output,
-        post,
+        post, update_mean, update_var,
     )  # fmt: skip
     cl = _K.layout_of(x)
     x = _K.arranged(x, cl)
@@ -168,22 +179,25 @@ def _forward_impl(x, weight, bias, residual, running_mean, running_var, eps, act
     mode = _K.Mode(act, slope, evaluate, from_output, grad)
     if x.numel() == 0:
         return _outputs(x, act, from_output, grad)
-    mean, var = (running_mean, running_var) if evaluate else (None, None)
+    # (evaluate: the running statistics read; training: those updated, if any)
+    mean, var = (running_mean, running_var) if evaluate else (update_mean, update_var)
     y, stats, mask, _ = _K.forward(
-        x, weight, bias, residual, mean, var, None, 0.0, eps, mode, split=True, post=post
-    )
+        x, weight, bias, residual, mean, var, None, float(momentum), eps, mode, split=True,
+        post=post,
+    )  # fmt: skip
     if mask is None:
         mask = x.new_empty(0, dtype=torch.int32)
     return y, stats, mask
 
 
 def _forward_fake(x, weight, bias, residual, running_mean, running_var, eps, act, slope,
-                  evaluate, from_output, grad, post=None):  # fmt: skip
+                  evaluate, from_output, grad, post=None, update_mean=None, update_var=None,
+                  momentum=0.0):  # fmt: skip
     if _bn_lowering.register():  # (Inductor traces the fakes before it lowers)
         _bn_graph.install()
     _check_forward(
         x, weight, bias, residual, running_mean, running_var, act, slope, evaluate, from_output,
-        post,
+        post, update_mean, update_var,
     )  # fmt: skip
     return _outputs(x, act, from_output, grad)
 
@@ -247,52 +261,29 @@ def _backward_fake(src, dy, mask, weight, bias, stats, residual, act, slope, eva
     return _grads_like(src, need_weight, need_bias, need_residual)
 
 
-def _check_running(running_mean, running_var, stats, n: int) -> None:
-    c = running_mean.numel()
-    for name, t in (("running_mean", running_mean), ("running_var", running_var)):
-        if t.dtype != torch.float32 or t.dim() != 1 or t.numel() != c or not t.is_contiguous():
-            _fail(_RUN, f"{name} must be a dense float32 vector of {c} elements")
-    if running_var.device != running_mean.device or stats.device != running_mean.device:
-        _fail(_RUN, "running_mean, running_var and stats must be on one device")
-    if stats.dtype != torch.float64 or stats.numel() < _bn.stats_doubles(c):
-        _fail(_RUN, f"stats must be float64 with {_bn.stats_doubles(c)} elements for {c} channels")
-    if c == 0 or n % c or n // c <= 1:
-        _fail(_RUN, f"n={n} must be a multiple of the {c} channels, more than one value each")
-
-
-def _running_impl(running_mean, running_var, stats, n, momentum):
-    _check_running(running_mean, running_var, stats, n)
-    c = running_mean.numel()
-    s = _bn.shape(running_mean.device.index, "float32", "identity", False, n, 1, c)
-    _K.update_running(running_mean, running_var, stats, s, float(momentum))
-
-
-def _running_fake(running_mean, running_var, stats, n, momentum):
-    _check_running(running_mean, running_var, stats, n)
-
-
 # (CompositeExplicitAutograd: every backend reaches the checks, which name a
 # CPU tensor; no autograd kernel: see the module docstring)
 _lib.impl("batchnorm_act", _forward_impl, "CompositeExplicitAutograd")
 _lib.impl("batchnorm_act_backward", _backward_impl, "CompositeExplicitAutograd")
-_lib.impl("batchnorm_running_", _running_impl, "CompositeExplicitAutograd")
 torch.library.register_fake(_FWD, _forward_fake, lib=_lib)
 torch.library.register_fake(_BWD, _backward_fake, lib=_lib)
-torch.library.register_fake(_RUN, _running_fake, lib=_lib)
 
 
 class BatchNormActFunction(torch.autograd.Function):
-    """y = act(bn(x) [+ residual]) through ``cupy_act::batchnorm_act``; the
-    backward through ``cupy_act::batchnorm_act_backward``. Saves x and the
-    mask, or (``from_output``) y and the residual; the statistics either way.
-    For torch.compile, which traces both into its graphs."""
+    """y = act(bn(x) [+ residual]) through ``cupy_act::batchnorm_act``
+    (updating ``update_mean`` and ``update_var``, the running statistics,
+    where given); the backward through ``cupy_act::batchnorm_act_backward``.
+    Saves x and the mask, or (``from_output``) y and the residual; the
+    statistics either way. For torch.compile, which traces both into its
+    graphs."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, residual, running_mean, running_var, eps, act, slope,
-                evaluate, from_output, grad):  # fmt: skip
+                evaluate, from_output, grad, update_mean=None, update_var=None,
+                momentum=0.0):  # fmt: skip
         y, stats, mask = torch.ops.cupy_act.batchnorm_act(
             x, weight, bias, residual, running_mean, running_var, eps, act, slope, evaluate,
-            from_output, grad,
+            from_output, grad, None, update_mean, update_var, momentum,
         )  # fmt: skip
         ctx.mark_non_differentiable(stats)
         ctx.save_for_backward(y if from_output else x, weight, bias, stats, mask,
@@ -314,7 +305,7 @@ class BatchNormActFunction(torch.autograd.Function):
             gw if need[1] else None,
             gb if need[2] else None,
             gr if need[3] else None,
-            *(None,) * 8,
+            *(None,) * 11,
         )
 
 

@@ -350,7 +350,8 @@ def _kernel_tensors(x: torch.Tensor, t: _Tensors, mean, var, counts: bool) -> bo
 
 def _compiled_forward(m: BatchNormAct2d, x: torch.Tensor, residual) -> torch.Tensor | None:
     """Under torch.compile: ``_bn_ops.BatchNormActFunction`` over the
-    ``cupy_act::batchnorm_act`` ops (and ``batchnorm_running_``) where the
+    ``cupy_act::batchnorm_act`` ops (the forward updating the running
+    statistics) where the
     policy puts it (``_bn_ops.takes``) and the kernels take the call in any
     layout, else None (then PyTorch's operations, traced). The momentum's
     cumulative average (``momentum=None``) divides by the count, a tensor:
@@ -378,12 +379,12 @@ def _compiled_forward(m: BatchNormAct2d, x: torch.Tensor, residual) -> torch.Ten
     grad = torch.is_grad_enabled() and any(
         v is not None and v.requires_grad for v in (x, w, b, residual)
     )
-    y, stats = _bn_ops.BatchNormActFunction.apply(
+    y, _ = _bn_ops.BatchNormActFunction.apply(
         x, w, b, residual, None if batch else mean, None if batch else var, float(m.eps),
         m.act, m.negative_slope, not batch, m.memory == "inplace", grad,
+        mean if update else None, var if update else None,
+        float(m.momentum) if update else 0.0,
     )  # fmt: skip
-    if update:
-        torch.ops.cupy_act.batchnorm_running_(mean, var, stats, x.numel(), float(m.momentum))
     return y
 
 
