@@ -4,7 +4,8 @@
         [--batches 32] [--precisions fp32 bf16cl] [--modes eager default reduce-overhead]
         [--variants pytorch ours ours-inplace ours-traced ours-inplace:inplace ...]
         [--steps 6] [--rounds 5]
-        [--loss-steps 20] [--no-peaks] [--profile] [--policy after_conv] [--json F]
+        [--loss-steps 20] [--no-peaks | --peaks-only] [--profile] [--policy after_conv]
+        [--json F]
     PYTHONPATH=. python scripts/compiled_models.py --block [--rounds 20]
 
 Variants: ``pytorch`` (the model as its package builds it), ``ours``
@@ -32,7 +33,10 @@ pool per device), from a second instance whose steps record its graphs
 (``peak_of_fresh_instance``); the largest relative difference of --loss-steps losses
 from eager PyTorch's, beside eager PyTorch's own float32 noise (its losses in
 the other layout). ``--profile``: device ms per step by kind of kernel
-(BatchNorm forward and backward: ours against Inductor's).
+(BatchNorm forward and backward: ours against Inductor's). ``--peaks-only``:
+the peaks alone, no step timed (a device run of its own: compiling each
+variant twice, once to time it and once in a fresh process for its peak,
+took cspdarknet53 past 290 s).
 
 ``--block``: the seed block (conv 8 -> 64 3x3 on 128 x 8 x 128 x 128, / 2,
 LeakyReLU 0.01; x needs no gradient) through ``conv2d_div_leaky_relu``:
@@ -206,8 +210,7 @@ def measure_config(args, name, built, batch, precision) -> dict:
     device = torch.device("cuda")
     data = data_for(shape, classes, batch, precision, args.steps, device)
     row = {"model": name, "batch": batch, "precision": precision}
-    keys = [(v, m) for m in args.modes for v in args.variants if not (m == "eager" and
-            v == "ours-traced")]  # fmt: skip
+    keys = _keys(args)
     # eager PyTorch's losses, and its float32 noise: the same model in the other layout
     ref = losses_of(Run(eager, "pytorch", "eager", precision, device, classes, args.policy),
                     data, args.loss_steps)  # fmt: skip
@@ -242,15 +245,44 @@ def measure_config(args, name, built, batch, precision) -> dict:
     runs = None
     models._fresh()
     if not args.no_peaks:
-        for v, m in keys:
-            if m == "eager":
-                run = Run(eager, v, m, precision, device, classes, args.policy)
-                row[f"{v}/{m} MiB"] = peak_after_first_step(run, data)
-                run = None
-                models._fresh()
-            else:
-                row[f"{v}/{m} MiB"] = peak_in_own_process(args, name, batch, precision, v, m)
+        row |= measure_peaks(args, name, built, batch, precision)
     return row
+
+
+def _keys(args) -> list:
+    """(variant, mode) pairs the run measures."""
+    return [(v, m) for m in args.modes for v in args.variants
+            if not (m == "eager" and v == "ours-traced")]  # fmt: skip
+
+
+def measure_peaks(args, name, built, batch, precision) -> dict:
+    """Each variant's peak (``"<variant>/<mode> MiB"``): eager here, each
+    compiled one in a process of its own."""
+    eager, shape, classes, _ = built
+    row = {}
+    for v, m in _keys(args):
+        if m == "eager":
+            device = torch.device("cuda")
+            data = data_for(shape, classes, batch, precision, args.steps, device)
+            run = Run(eager, v, m, precision, device, classes, args.policy)
+            row[f"{v}/{m} MiB"] = peak_after_first_step(run, data)
+            run = data = None
+            models._fresh()
+        else:
+            row[f"{v}/{m} MiB"] = peak_in_own_process(args, name, batch, precision, v, m)
+    return row
+
+
+def print_peaks(row, args) -> None:
+    """A ``--peaks-only`` row: each variant's peak and its ratio to PyTorch's."""
+    print(f"\n{row['model']} batch {row['batch']} {row['precision']}: peak MiB")
+    for m in args.modes:
+        mem = row.get(f"pytorch/{m} MiB")
+        for v in args.variants:
+            mib = row.get(f"{v}/{m} MiB")
+            if mib is not None:
+                ratio = mib / mem if mem else float("nan")
+                print(f"    {f'{v}/{m}':40s} {mib:9.0f} {ratio:9.3f}")
 
 
 def print_row(row, args) -> None:
@@ -355,6 +387,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--loss-steps", type=int, default=20)
     ap.add_argument("--no-peaks", action="store_true")
+    ap.add_argument(
+        "--peaks-only",
+        action="store_true",
+        help="each variant's peak alone (no steps timed, no losses)",
+    )
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--policy", default="after_conv", choices=ct.batchnorm._bn_ops.POLICIES)
     ap.add_argument("--block", action="store_true", help="the seed block's rows instead")
@@ -377,6 +414,11 @@ def main() -> None:
             continue
         for batch in args.batches or DEFAULT_BATCHES.get(name, [32]):
             for precision in args.precisions:
+                if args.peaks_only:
+                    row = {"model": name, "batch": batch, "precision": precision}
+                    rows.append(row | measure_peaks(args, name, built, batch, precision))
+                    print_peaks(rows[-1], args)
+                    continue
                 rows.append(measure_config(args, name, built, batch, precision))
                 print_row(rows[-1], args)
                 if args.json:

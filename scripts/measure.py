@@ -36,9 +36,11 @@ def environment() -> dict:
     import cupy
 
     try:
+        # (-dirty where the files differ from the commit: a copy of a working tree)
         commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip()
+            ["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=ROOT,
+            capture_output=True, text=True,
+        ).stdout.strip()  # fmt: skip
     except OSError:
         commit = ""
     return dict(

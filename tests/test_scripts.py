@@ -138,6 +138,31 @@ def test_compiled_models_variants_name_their_policy():
             compiled_models.variant_name(bad)
 
 
+def test_compiled_models_peaks_only(monkeypatch, capsys):
+    """--peaks-only: each compiled variant's peak from a process of its own
+    (its mode and policy passed on), printed with its ratio to PyTorch's."""
+    from types import SimpleNamespace
+
+    import compiled_models
+
+    asked = []
+
+    def fake_peak(args, name, batch, precision, variant, mode):
+        asked.append((name, batch, precision, variant, mode))
+        return {"pytorch": 4000.0, "ours-inplace:inplace": 2900.0}[variant]
+
+    monkeypatch.setattr(compiled_models, "peak_in_own_process", fake_peak)
+    args = SimpleNamespace(modes=["reduce-overhead"], variants=["pytorch", "ours-inplace:inplace"],
+                           policy="inplace", steps=4)  # fmt: skip
+    peaks = compiled_models.measure_peaks(args, "m", (None, None, None, None), 32, "fp32")
+    assert peaks == {"pytorch/reduce-overhead MiB": 4000.0,
+                     "ours-inplace:inplace/reduce-overhead MiB": 2900.0}  # fmt: skip
+    assert asked[1] == ("m", 32, "fp32", "ours-inplace:inplace", "reduce-overhead")
+    compiled_models.print_peaks({"model": "m", "batch": 32, "precision": "fp32", **peaks}, args)
+    line = [x for x in capsys.readouterr().out.splitlines() if "ours-inplace" in x][0]
+    assert line.split()[-2:] == ["2900", "0.725"]
+
+
 @pytest.mark.parametrize(
     "kernel,nbytes",
     [
