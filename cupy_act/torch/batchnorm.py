@@ -351,11 +351,10 @@ def _kernel_tensors(x: torch.Tensor, t: _Tensors, mean, var, counts: bool) -> bo
 def _compiled_forward(m: BatchNormAct2d, x: torch.Tensor, residual) -> torch.Tensor | None:
     """Under torch.compile: ``_bn_ops.BatchNormActFunction`` over the
     ``cupy_act::batchnorm_act`` ops (the forward updating the running
-    statistics) where the
-    policy puts it (``_bn_ops.takes``) and the kernels take the call in any
-    layout, else None (then PyTorch's operations, traced). The momentum's
-    cumulative average (``momentum=None``) divides by the count, a tensor:
-    traced."""
+    statistics) where the policy puts it (``_bn_ops.takes``) and the kernels
+    take the call in any layout, else None (then PyTorch's operations,
+    traced). The momentum's cumulative average (``momentum=None``) divides
+    by the count, a tensor: traced."""
     if not (_bn_ops.takes(m.after_conv, m.memory) and _impl.on_gpu(x) and x.dim() == 4):
         return None
     if x.dtype not in _FUSED_DTYPES or x.shape[1] > 65535:
