@@ -187,9 +187,8 @@ def test_ops_placed_by_policy(policy, memory, ops, monkeypatch, stand_ins):
     """The forward graph calls the op at every fused module the policy names
     (each updating its module's running statistics, no separate op), the
     backward graph its backward op as often; "traced" leaves PyTorch's
-    operations. (With
-    memory="inplace" only bn1, LeakyReLU after a convolution, is in place:
-    the others' activations are ReLUs.)"""
+    operations. (With memory="inplace" only bn1, LeakyReLU after a
+    convolution, is in place: the others' activations are ReLUs.)"""
     gm, _ = ct.fuse_batchnorm_act_fx(_LeakyFirst(), memory=memory)
     assert [gm.bn1.memory, gm.bn2.memory, gm.bn3.memory] == [memory, "default", "default"]
     rec = _compiled_graphs(gm, torch.randn(2, 3, 6, 6, requires_grad=True), monkeypatch, policy)
