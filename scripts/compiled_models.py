@@ -386,8 +386,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--loss-steps", type=int, default=20)
-    ap.add_argument("--no-peaks", action="store_true")
-    ap.add_argument(
+    peaks = ap.add_mutually_exclusive_group()
+    peaks.add_argument("--no-peaks", action="store_true")
+    peaks.add_argument(
         "--peaks-only",
         action="store_true",
         help="each variant's peak alone (no steps timed, no losses)",
