@@ -177,13 +177,13 @@ __device__ __forceinline__ u32 bn_bits(const BnParams& p, long long i) {
 // dz * xhat, with xhat = (v - ctr) * scl (kGrad: v = x, ctr = mean, scl =
 // invstd; kGradFromOutput: v = act^-1(y) - r, r the residual or 0, ctr = b,
 // scl = 1 / w).
-template <int P, int A>
+template <int P, int A, typename Acc>
 __device__ __forceinline__ void bn_term(float v, float dy, bool bit, float r, float ctr,
-                                        float scl, float slope, float inv_slope, double& a,
-                                        double& b) {
+                                        float scl, float slope, float inv_slope, Acc& a,
+                                        Acc& b) {
   if (P == kStats) {
     a += v;
-    b += (double)v * v;
+    b += (Acc)v * v;
     return;
   }
   if (P == kGradFromOutput) {
@@ -192,7 +192,7 @@ __device__ __forceinline__ void bn_term(float v, float dy, bool bit, float r, fl
   }
   const float dz = bn_act_grad<A>(dy, bit, slope);
   a += dz;
-  b += (double)(dz * ((v - ctr) * scl));
+  b += (Acc)(dz * ((v - ctr) * scl));
 }
 
 template <int P>
@@ -243,10 +243,10 @@ __device__ __forceinline__ void bn_fetch(const BnParams& p, long long i, long lo
 
 // A fetched vector's V elements into the accumulators (a, b: one pair per
 // element's channel, or all into [0] when the vector is one channel's).
-template <typename T, int V, int P, int A, int K>
+template <typename T, int V, int P, int A, int K, typename Acc>
 __device__ __forceinline__ void bn_add(const BnParams& p, const BnIn<T, V>& in,
                                        const float (&ctr)[K], const float (&scl)[K],
-                                       double (&a)[K], double (&b)[K]) {
+                                       Acc (&a)[K], Acc (&b)[K]) {
   const bool residual = P == kGradFromOutput && p.residual != nullptr;
   const float inv_slope = __frcp_rn(p.slope);  // (loop-invariant: a kernel parameter's)
 #pragma unroll
@@ -255,7 +255,38 @@ __device__ __forceinline__ void bn_add(const BnParams& p, const BnIn<T, V>& in,
     const float v = Num<T>::to_op(in.x.e[j]);
     const float d = P == kStats ? 0.f : Num<T>::to_op(in.dy.e[j]);
     const float r = residual ? Num<T>::to_op(in.r.e[j]) : 0.f;
-    bn_term<P, A>(v, d, (in.bits >> j) & 1u, r, ctr[k], scl[k], p.slope, inv_slope, a[k], b[k]);
+    bn_term<P, A, Acc>(v, d, (in.bits >> j) & 1u, r, ctr[k], scl[k], p.slope, inv_slope, a[k],
+                       b[k]);
+  }
+}
+
+// U fetched vectors into the double accumulators. The statistics add term by
+// term in double (x^2 is exact there, and E[x^2] - mean^2 cancels). A
+// gradient pass's terms are rounded float values already (dz, and dz * xhat):
+// they are summed in float over the U vectors (over the vector's V elements,
+// NCHW), then added once in double, one float-to-double conversion and one
+// double addition per U (V) terms where each term took one of each. The
+// float sum adds at most U - 1 roundings of the size the terms carry. The
+// bfloat16 gradient sums fell from 61.8 to 50.2 us at (32, 64, 128, 128)
+// channels-last, in place (H200, 2026-11-29; docs/batchnorm.md).
+template <typename T, int V, int P, int A, int K, int U>
+__device__ __forceinline__ void bn_add_all(const BnParams& p, const BnIn<T, V> (&in)[U],
+                                           const float (&ctr)[K], const float (&scl)[K],
+                                           double (&a)[K], double (&b)[K]) {
+  if constexpr (P == kStats) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) bn_add<T, V, P, A, K, double>(p, in[u], ctr, scl, a, b);
+  } else {
+    float fa[K], fb[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) fa[k] = fb[k] = 0.f;
+#pragma unroll
+    for (int u = 0; u < U; ++u) bn_add<T, V, P, A, K, float>(p, in[u], ctr, scl, fa, fb);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      a[k] += fa[k];
+      b[k] += fb[k];
+    }
   }
 }
 
@@ -448,9 +479,9 @@ __device__ __forceinline__ void bn_reduce_planes(const BnParams& p) {
     const long long j = k * V;
     const long long img = quot(j, p.inner, p.inv_inner);
     const long long i = (img * p.channels + c) * p.inner + (j - img * p.inner);
-    BnIn<T, V> in;
-    bn_fetch<T, V, P, A>(p, i, i + img * p.dy_skip, in);
-    bn_add<T, V, P, A, 1>(p, in, ctr, scl, a, b);
+    BnIn<T, V> in[1];
+    bn_fetch<T, V, P, A>(p, i, i + img * p.dy_skip, in[0]);
+    bn_add_all<T, V, P, A, 1, 1>(p, in, ctr, scl, a, b);
   }
   bn_block_sum(s1, s2, a[0], b[0]);
   __shared__ bool last;
@@ -506,14 +537,13 @@ __device__ __forceinline__ void bn_reduce_rows(const BnParams& p) {
         const long long ru = r + u * stride, i = ru * p.channels + col * V;
         bn_fetch<T, V, P, A>(p, i, i + ru * p.dy_skip, in[u]);
       }
-#pragma unroll
-      for (int u = 0; u < kBnUnroll; ++u) bn_add<T, V, P, A, V>(p, in[u], ctr, scl, a, b);
+      bn_add_all<T, V, P, A, V, kBnUnroll>(p, in, ctr, scl, a, b);
     }
     for (; r < rows; r += stride) {
       const long long i = r * p.channels + col * V;
-      BnIn<T, V> in;
-      bn_fetch<T, V, P, A>(p, i, i + r * p.dy_skip, in);
-      bn_add<T, V, P, A, V>(p, in, ctr, scl, a, b);
+      BnIn<T, V> in[1];
+      bn_fetch<T, V, P, A>(p, i, i + r * p.dy_skip, in[0]);
+      bn_add_all<T, V, P, A, V, 1>(p, in, ctr, scl, a, b);
     }
   }
   int top = 1;
