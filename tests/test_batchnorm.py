@@ -683,20 +683,28 @@ def test_fuse_inplace_where_the_input_is_a_convolution_output():
 
 def test_fuse_inplace_keeps_zero_weights_in_the_default_mode():
     """A zero-initialized weight (timm's zero_init_last) cannot be inverted: the
-    fuser keeps that BatchNorm in the default mode and names it; so for a ReLU
-    pair (ReLU's output does not give back its input), with its reason."""
+    fuser keeps that BatchNorm in the default mode, names it and marks it
+    ``kept_by_zero`` (the compiled policy's mark, which convert_sync_batchnorm
+    keeps); so for a ReLU pair (ReLU's output does not give back its input),
+    with its reason and no mark; the default memory mode marks nothing."""
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.LeakyReLU(0.1))
     model.append(nn.Conv2d(4, 4, 3)).append(nn.BatchNorm2d(4)).append(nn.LeakyReLU(0.1))
     nn.init.zeros_(model[4].weight)
+    plain = copy.deepcopy(model)
     match = r"1 BatchNorm\(s\) \(4\) keep memory='default', as they have a zero in their weight"
     with pytest.warns(UserWarning, match=match):
         model, count = ct.fuse_batchnorm_act(model, memory="inplace")
     assert count == 2 and [model[1].memory, model[4].memory] == ["inplace", "default"]
+    assert [model[1].kept_by_zero, model[4].kept_by_zero] == [False, True]
+    assert ct.convert_sync_batchnorm(model)[4].kept_by_zero
+    plain, _ = ct.fuse_batchnorm_act(plain)
+    assert not plain[4].kept_by_zero and plain[4].memory == "default"
     relu = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
     nn.init.zeros_(relu[1].weight)
     with pytest.warns(UserWarning, match=r"\(1\) keep memory='default', as their activation does"):
         relu, count = ct.fuse_batchnorm_act(relu, memory="inplace")
-    assert count == 1 and relu[1].memory == "default"
+    assert count == 1 and relu[1].memory == "default" and not relu[1].kept_by_zero
+    assert ct.BatchNormAct2d(4).kept_by_zero is False
 
 
 class _CalledFromForward(nn.Module):

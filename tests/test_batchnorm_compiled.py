@@ -5,6 +5,7 @@ compiled results against the eager kernels (bit for bit) and float64. CPU
 here; CUDA with the ``gpu`` marker."""
 
 import copy
+import warnings
 
 import pytest
 
@@ -97,8 +98,9 @@ def test_policy_switch():
         ct.set_compiled_batchnorm("inplace")
         assert _bn_ops.takes(True, "inplace") and _bn_ops.takes(None, "inplace")
         assert not _bn_ops.takes(True, "default") and not _bn_ops.takes(False, "inplace")
+        assert _bn_ops.takes(True, "default", True) and not _bn_ops.takes(False, "default", True)
         ct.set_compiled_batchnorm("traced")
-        assert not _bn_ops.takes(True, "inplace")
+        assert not _bn_ops.takes(True, "inplace") and not _bn_ops.takes(True, "default", True)
         with pytest.raises(ValueError, match="policy='fast'; expected one of"):
             ct.set_compiled_batchnorm("fast")
     finally:
@@ -180,6 +182,7 @@ def _compiled_graphs(model, x, monkeypatch, policy):
         ("after_conv", "default", 2),
         ("inplace", "default", 0),
         ("inplace", "inplace", 1),
+        ("inplace", "zeroed", 1),
         ("traced", "inplace", 0),
     ],
 )
@@ -188,9 +191,19 @@ def test_ops_placed_by_policy(policy, memory, ops, monkeypatch, stand_ins):
     (each updating its module's running statistics, no separate op), the
     backward graph its backward op as often; "traced" leaves PyTorch's
     operations. (With memory="inplace" only bn1, LeakyReLU after a
-    convolution, is in place: the others' activations are ReLUs.)"""
-    gm, _ = ct.fuse_batchnorm_act_fx(_LeakyFirst(), memory=memory)
-    assert [gm.bn1.memory, gm.bn2.memory, gm.bn3.memory] == [memory, "default", "default"]
+    convolution, is in place: the others' activations are ReLUs. "zeroed":
+    bn1's weight zero, so the fuser keeps it in the default mode, marked
+    ``kept_by_zero``, where "inplace" places the op too.)"""
+    net = _LeakyFirst()
+    if memory == "zeroed":
+        nn.init.zeros_(net.bn1.weight)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the pairs kept in the default mode are named)
+        asked = "default" if memory == "default" else "inplace"
+        gm, _ = ct.fuse_batchnorm_act_fx(net, memory=asked)
+    modes = ["default" if memory == "zeroed" else memory, "default", "default"]
+    assert [gm.bn1.memory, gm.bn2.memory, gm.bn3.memory] == modes
+    assert gm.bn1.kept_by_zero == (memory == "zeroed")
     rec = _compiled_graphs(gm, torch.randn(2, 3, 6, 6, requires_grad=True), monkeypatch, policy)
     forward = rec.graphs[0].code
     assert forward.count("cupy_act.batchnorm_act.default") == ops

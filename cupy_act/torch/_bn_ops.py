@@ -314,7 +314,12 @@ class BatchNormActFunction(torch.autograd.Function):
 # "inplace" (the default): the BatchNormAct2d in memory="inplace" whose input
 # is a convolution's output (the fusers mark them; a module built directly
 # counts as one): InPlace-ABN's saving exists only through the op, and there
-# it holds; the others traced. Measured on an H200 (reduce-overhead, batch
+# it holds; and those the fusers were asked to make in-place but kept in the
+# default mode for a zero in the weight alone (kept_by_zero: the
+# zero-initialized last BatchNorm of a residual branch, whose output the
+# shortcut's add takes, so the op saves its input and mask where Inductor
+# keeps the input: cspdarknet53's 23 cost 16 MiB and gave 0.02x of the step);
+# the others traced. Measured on an H200 (reduce-overhead, batch
 # 32, docs/batchnorm.md): the op at default-mode modules as well gave
 # cspdarknet53 0.25 ms less device time per step in float32 but 0.31 ms more
 # in bfloat16 with channels-last (Inductor fuses its BatchNorm with the
@@ -335,8 +340,9 @@ def set_compiled_batchnorm(policy: str) -> str:
     change.
 
     - ``"inplace"`` (the default): modules with ``memory="inplace"`` whose
-      input is a convolution's output; the rest as PyTorch's operations,
-      which Inductor fuses.
+      input is a convolution's output, and those that ``fuse_batchnorm_act``
+      or ``fuse_batchnorm_act_fx`` kept in the default mode only for a zero
+      in the weight; the rest as PyTorch's operations, which Inductor fuses.
     - ``"after_conv"``: every module whose input is a convolution's output.
     - ``"everywhere"``: every module the kernels take.
     - ``"traced"``: none.
@@ -348,9 +354,10 @@ def set_compiled_batchnorm(policy: str) -> str:
     return previous
 
 
-def takes(after_conv: bool | None, memory: str) -> bool:
+def takes(after_conv: bool | None, memory: str, kept_by_zero: bool = False) -> bool:
     """Whether the policy puts the op at a module (``after_conv``: the fusers'
-    mark, None where unknown; ``memory``: its memory mode)."""
+    mark, None where unknown; ``memory``: its memory mode; ``kept_by_zero``:
+    the fusers' mark of an in-place module that a zero weight kept default)."""
     # (_bn_graph.FOLD is read here too, under Dynamo's tracing, so that its
     # guards hold it: set_compiled_folding then recompiles, as a change of
     # policy does, instead of reusing a graph compiled the other way)
@@ -358,4 +365,5 @@ def takes(after_conv: bool | None, memory: str) -> bool:
         return False
     if POLICY == "everywhere":
         return True
-    return after_conv is not False and (POLICY == "after_conv" or memory == "inplace")
+    asked = memory == "inplace" or kept_by_zero
+    return after_conv is not False and (POLICY == "after_conv" or asked)

@@ -108,7 +108,8 @@ def _init_normalization(m: nn.Module, base: type, args: tuple, device, dtype, bi
 
 def _configure(m: nn.Module, act_layer, act_kwargs, memory, where: str) -> None:
     """The activation's and memory mode's attributes of a fused module
-    (``act``, ``negative_slope``, ``memory``, ``after_conv``), checked."""
+    (``act``, ``negative_slope``, ``memory``, ``after_conv``, ``kept_by_zero``),
+    checked."""
     m.act = _act_name(act_layer, where)
     kwargs = dict(act_kwargs or {})
     kwargs.pop("inplace", None)
@@ -125,9 +126,12 @@ def _configure(m: nn.Module, act_layer, act_kwargs, memory, where: str) -> None:
         )
     m.negative_slope = float(slope)
     m.memory = _memory_mode(memory, m.act, m.negative_slope, where)
-    # whether the input is a convolution's output (the fusers know; None:
-    # unknown), for the compiled route's policy (set_compiled_batchnorm)
+    # for the compiled route's policy (set_compiled_batchnorm), which the
+    # fusers mark: whether the input is a convolution's output (None:
+    # unknown), and whether memory="inplace" was asked and only a zero in the
+    # weight kept the default mode
     m.after_conv = None
+    m.kept_by_zero = False
 
 
 def _extra_repr(m: nn.Module, normalization: str) -> str:
@@ -355,7 +359,8 @@ def _compiled_forward(m: BatchNormAct2d, x: torch.Tensor, residual) -> torch.Ten
     take the call in any layout, else None (then PyTorch's operations,
     traced). The momentum's cumulative average (``momentum=None``) divides
     by the count, a tensor: traced."""
-    if not (_bn_ops.takes(m.after_conv, m.memory) and _impl.on_gpu(x) and x.dim() == 4):
+    zero = getattr(m, "kept_by_zero", False)  # (modules pickled before the mark)
+    if not (_bn_ops.takes(m.after_conv, m.memory, zero) and _impl.on_gpu(x) and x.dim() == 4):
         return None
     if x.dtype not in _FUSED_DTYPES or x.shape[1] > 65535:
         return None

@@ -18,16 +18,17 @@ from .syncbatchnorm import SyncBatchNormAct2d, _module_like
 __all__ = ["fuse_batchnorm_act", "convert_sync_batchnorm"]
 
 
-def _fused(bn: nn.Module, act: str, slope: float, memory: str,
-           after_conv: bool | None = None) -> BatchNormAct2d | SyncBatchNormAct2d:  # fmt: skip
+def _fused(bn: nn.Module, act: str, slope: float, memory: str, after_conv: bool | None = None,
+           kept_by_zero: bool = False) -> BatchNormAct2d | SyncBatchNormAct2d:  # fmt: skip
     """A BatchNormAct2d (a SyncBatchNormAct2d where bn is an nn.SyncBatchNorm,
     with its process group) holding bn's own parameters and buffers
     (optimizers and other references to them stay valid) and its training
     flag, in memory mode ``memory`` (``_mode_for``'s choice); ``after_conv``:
-    whether its input is a convolution's output."""
+    whether its input is a convolution's output; ``kept_by_zero``: whether
+    only a zero in the weight kept it from the in-place mode asked for."""
     sync = isinstance(bn, nn.SyncBatchNorm)
     group = bn.process_group if sync else None
-    return _module_like(bn, act, slope, memory, group, after_conv, sync)
+    return _module_like(bn, act, slope, memory, group, after_conv, sync, kept_by_zero)
 
 
 _FUSABLE = (nn.BatchNorm2d, nn.SyncBatchNorm)  # (exact types: subclasses may override forward)
@@ -108,8 +109,8 @@ def fuse_batchnorm_act(model: nn.Module, memory: str = "default") -> tuple[nn.Mo
                 if act is not None:
                     fresh = name == "bn" and _is_conv_norm_act(parent)
                     label = f"{path}.{name}" if path else name
-                    mode = _mode_for(child, act, memory, fresh, kept, label)
-                    parent._modules[name] = _fused(child, *act, mode, fresh or None)
+                    mode, zero = _mode_for(child, act, memory, fresh, kept, label)
+                    parent._modules[name] = _fused(child, *act, mode, fresh or None, zero)
                     count += 1
             elif isinstance(parent, nn.Sequential) and type(child) in _FUSABLE:
                 if i + 1 < len(children):
@@ -118,8 +119,8 @@ def fuse_batchnorm_act(model: nn.Module, memory: str = "default") -> tuple[nn.Mo
                     if act is not None and act[0] != "identity":
                         fresh = i > 0 and isinstance(children[i - 1][1], nn.Conv2d)
                         label = f"{path}.{name}" if path else name
-                        mode = _mode_for(child, act, memory, fresh, kept, label)
-                        parent._modules[name] = _fused(child, *act, mode, fresh)
+                        mode, zero = _mode_for(child, act, memory, fresh, kept, label)
+                        parent._modules[name] = _fused(child, *act, mode, fresh, zero)
                         parent._modules[next_name] = nn.Identity()
                         count += 1
     unfused = [n for n, m in model.named_modules() if type(m) in _FUSABLE]
@@ -177,14 +178,15 @@ _ZEROED = "they have a zero in their weight: the in-place mode cannot recover xh
 
 
 def _mode_for(bn: nn.BatchNorm2d, act: tuple, memory: str, fresh: bool, kept: dict,
-              label: str) -> str:  # fmt: skip
+              label: str) -> tuple[str, bool]:  # fmt: skip
     """The fused module's memory mode: "inplace" only where asked for, the
     activation ``act`` ((name, slope)) is invertible, the input is a fresh
     convolution output and the weight has no zero (checked now, once: a later
     exact zero is the in-place mode's documented condition). Where it asked
-    and cannot, ``label`` joins ``kept[reason]``."""
+    and cannot, ``label`` joins ``kept[reason]``. Returns the mode and whether
+    the zero alone kept the default (the compiled policy's ``kept_by_zero``)."""
     if memory != "inplace":
-        return "default"
+        return "default", False
     reason = None
     if not _invertible(*act):
         reason = _NOT_INVERTIBLE
@@ -193,9 +195,9 @@ def _mode_for(bn: nn.BatchNorm2d, act: tuple, memory: str, fresh: bool, kept: di
     elif bn.weight is not None and bool((bn.weight == 0).any()):
         reason = _ZEROED
     if reason is None:
-        return memory
+        return memory, False
     kept.setdefault(reason, []).append(label)
-    return "default"
+    return "default", reason is _ZEROED
 
 
 def _is_conv_norm_act(module: nn.Module) -> bool:
@@ -222,7 +224,8 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
         return module
     if isinstance(module, BatchNormAct2d):
         return _module_like(module, module.act, module.negative_slope, module.memory,
-                            process_group, module.after_conv, sync=True)  # fmt: skip
+                            process_group, module.after_conv, True,
+                            getattr(module, "kept_by_zero", False))  # fmt: skip
     act = _timm_act(module) if _is_timm_bn_act(module) else None
     if act is not None:
         return _module_like(module, *act, "default", process_group, sync=True)

@@ -159,9 +159,9 @@ def fuse_batchnorm_act_fx(
             continue
         pair = act if act is not None else tail[3]  # type: ignore[index]
         fresh = _fresh_conv_output(node, modules)
-        mode = fuse._mode_for(module, pair, memory, fresh, kept, node.target)
+        mode, zero = fuse._mode_for(module, pair, memory, fresh, kept, node.target)
         parent, _, name = node.target.rpartition(".")
-        fused = fuse._fused(module, pair[0], pair[1], mode, _reads_conv(node, modules))
+        fused = fuse._fused(module, pair[0], pair[1], mode, _reads_conv(node, modules), zero)
         setattr(gm.get_submodule(parent), name, fused)
         if tail is None:
             user.replace_all_uses_with(node)

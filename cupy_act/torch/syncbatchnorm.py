@@ -182,12 +182,14 @@ class SyncFusedBatchNormAct(torch.autograd.Function):
 
 
 def _module_like(bn: nn.Module, act: str, slope: float, memory: str, process_group=None,
-                 after_conv: bool | None = None, sync: bool = False) -> nn.Module:  # fmt: skip
+                 after_conv: bool | None = None, sync: bool = False,
+                 kept_by_zero: bool = False) -> nn.Module:  # fmt: skip
     """A BatchNormAct2d, or a SyncBatchNormAct2d in ``process_group`` where
     ``sync``, holding bn's own parameters, buffers and hooks (optimizers and
     other references to them stay valid) and its training flag, with the
     activation ``act`` (and ``slope``) and the memory mode ``memory``;
-    ``after_conv``: whether its input is a convolution's output."""
+    ``after_conv`` and ``kept_by_zero``: the compiled policy's marks
+    (``_configure``)."""
     kwargs = {"negative_slope": slope} if act == "leaky_relu" else None
     args = (bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats)
     new: nn.Module
@@ -201,6 +203,7 @@ def _module_like(bn: nn.Module, act: str, slope: float, memory: str, process_gro
     new._buffers = dict(bn._buffers)
     new.train(bn.training)
     new.after_conv = after_conv
+    new.kept_by_zero = kept_by_zero
     for name in adopt._HOOK_DICTS:  # (handles from register_*_hook keep working)
         if name in bn.__dict__:
             setattr(new, name, getattr(bn, name))
