@@ -319,17 +319,14 @@ class BatchNormActFunction(torch.autograd.Function):
 # zero-initialized last BatchNorm of a residual branch, whose output the
 # shortcut's add takes, so the op saves its input and mask where Inductor
 # keeps the input: cspdarknet53's 23 cost 16 MiB and gave 0.02x of the step);
-# the others traced. Measured on an H200 (reduce-overhead, batch
-# 32, docs/batchnorm.md): the op at default-mode modules as well gave
-# cspdarknet53 0.25 ms less device time per step in float32 but 0.31 ms more
-# in bfloat16 with channels-last (Inductor fuses its BatchNorm with the
-# neighbours an opaque op cannot), 1.06x compiled PyTorch's peak where every
-# module is default-mode (x saved for the op, y for the next convolution;
-# Inductor keeps the convolution's output and recomputes the rest), and
-# ResNet-50 1.036x the step and 1.84x the peak. "after_conv": every module
-# whose input is a convolution's output, either mode; "everywhere": every
-# module the op takes; "traced": none (PyTorch's operations, as before the
-# op existed).
+# the others traced. Measured on an H200 (reduce-overhead, batch 32,
+# docs/batchnorm.md): the op at every default-mode module costs 1.06x
+# compiled PyTorch's peak in cspdarknet53 (x saved for the op, y for the next
+# convolution; Inductor keeps the convolution's output and recomputes the
+# rest), and ResNet-50 1.036x the step and 1.84x the peak. "after_conv":
+# every module whose input is a convolution's output, either mode;
+# "everywhere": every module the op takes; "traced": none (PyTorch's
+# operations, as before the op existed).
 POLICIES = ("inplace", "after_conv", "everywhere", "traced")
 POLICY = "inplace"
 
