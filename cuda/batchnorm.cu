@@ -267,9 +267,8 @@ __device__ __forceinline__ void bn_add(const BnParams& p, const BnIn<T, V>& in,
 // NCHW), then added once in double, one float-to-double conversion and one
 // double addition per U (V) terms where each term took one of each. The
 // float sum adds at most U - 1 (V - 1) roundings of the size the terms
-// carry. The
-// bfloat16 gradient sums fell from 61.8 to 50.2 us at (32, 64, 128, 128)
-// channels-last, in place (H200, 2026-11-29; docs/batchnorm.md).
+// carry. The bfloat16 gradient sums fell from 61.8 to 50.2 us at (32, 64,
+// 128, 128) channels-last, in place (H200, 2026-11-29; docs/batchnorm.md).
 template <typename T, int V, int P, int A, int K, int U>
 __device__ __forceinline__ void bn_add_all(const BnParams& p, const BnIn<T, V> (&in)[U],
                                            const float (&ctr)[K], const float (&scl)[K],
