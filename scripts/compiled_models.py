@@ -419,9 +419,9 @@ def main() -> None:
                     row = {"model": name, "batch": batch, "precision": precision}
                     rows.append(row | measure_peaks(args, name, built, batch, precision))
                     print_peaks(rows[-1], args)
-                    continue
-                rows.append(measure_config(args, name, built, batch, precision))
-                print_row(rows[-1], args)
+                else:
+                    rows.append(measure_config(args, name, built, batch, precision))
+                    print_row(rows[-1], args)
                 if args.json:
                     with open(args.json, "w") as f:
                         json.dump(rows, f, indent=1)

@@ -163,6 +163,29 @@ def test_compiled_models_peaks_only(monkeypatch, capsys):
     assert line.split()[-2:] == ["2900", "0.725"]
 
 
+def test_compiled_models_peaks_only_writes_json(monkeypatch, tmp_path):
+    """main() with --peaks-only and --json: the peaks' rows reach the file, as
+    the timed rows do."""
+    import json
+
+    import compiled_models
+
+    out = tmp_path / "rows.json"
+    monkeypatch.setattr(compiled_models.measure, "require_gpu", lambda name: None)
+    monkeypatch.setattr(compiled_models.measure, "environment", lambda: {})
+    monkeypatch.setattr(compiled_models.measure, "header", lambda env: "")
+    monkeypatch.setattr(compiled_models.models, "build", lambda name: (None,) * 4)
+    monkeypatch.setattr(compiled_models.models, "allow_recompiles", lambda: None)
+    monkeypatch.setattr(compiled_models, "measure_peaks", lambda *a: {"pytorch/default MiB": 7.0})
+    argv = ["--models", "m", "--batches", "8", "--precisions", "fp32", "--modes", "default",
+            "--variants", "pytorch", "--peaks-only", "--json", str(out)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["compiled_models.py", *argv])
+    compiled_models.main()
+    assert json.loads(out.read_text()) == [
+        {"model": "m", "batch": 8, "precision": "fp32", "pytorch/default MiB": 7.0}
+    ]
+
+
 @pytest.mark.parametrize(
     "kernel,nbytes",
     [
