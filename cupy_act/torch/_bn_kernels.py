@@ -34,20 +34,24 @@ _nbytes = _impl.nbytes
 layout_of = _impl.is_channels_last  # (the kernels walk x channels-last where it is dense so)
 
 
+_FIELD = {name: i for i, name in enumerate(_bn.Buffers._fields)}
+_NONE = (0,) * len(_FIELD)
+
+
 def bind(**arrays) -> tuple[_bn.Buffers, tuple]:
     """(Buffers, have) from the named arrays (``_bn.Buffers``' fields): a
     tensor, (address, bytes to the end of its buffer), or absent / None."""
-    ptrs, have = [], []
-    for name in _bn.Buffers._fields:
-        a = arrays.pop(name, None)
+    ptrs, have = list(_NONE), list(_NONE)
+    for name, a in arrays.items():
+        i = _FIELD.get(name)
+        if i is None:
+            raise TypeError(f"bind: unknown buffer {name!r}")
         if a is None:
-            a = (0, 0)
-        elif isinstance(a, torch.Tensor):
-            a = (a.data_ptr(), _nbytes(a))
-        ptrs.append(a[0])
-        have.append(a[1])
-    if arrays:
-        raise TypeError(f"bind: unknown buffers {sorted(arrays)}")
+            continue
+        if isinstance(a, torch.Tensor):
+            ptrs[i], have[i] = a.data_ptr(), a.numel() * a.element_size()
+        else:
+            ptrs[i], have[i] = a
     return _bn.Buffers(*ptrs), tuple(have)
 
 
