@@ -29,7 +29,12 @@ that torch.compile and torch.func take.
 PyTorch's pair (``nn.BatchNorm2d``, ``nn.LeakyReLU(inplace=True)``),
 ``cupy_act.torch.BatchNormAct2d`` in both memory modes, and its floor: the
 same module and bookkeeping with ``BareBatchNormAct`` in place of the kernels'
-Function (it allocates what ours allocates and launches nothing).
+Function (it allocates what ours allocates and launches nothing). Then the
+same compiled with ``torch.compile`` (default mode: no CUDA graphs, so each
+call's host work counts), PyTorch's pair against the in-place module (the
+default policy's op, ``cupy_act::batchnorm_act`` and its backward), and the
+two ops called as a compiled graph calls them: the host cost a compiled step
+pays per BatchNorm where no CUDA graph replays it.
 """
 
 from __future__ import annotations
@@ -435,6 +440,34 @@ def bn_rows(shape, calls: int, repeats: int) -> None:
         us = per_call_us([make(m) for m in mods.values()], calls, repeats)
         cells = "".join(f"{t:12.2f} us {t / us[0]:4.2f}x" for t in us)
         print(f"{what:22s}{cells}", flush=True)
+    compiled_bn_rows(x, g, pair, mods["ours in place"], calls, repeats)
+
+
+def compiled_bn_rows(x, g, pair, ours, calls: int, repeats: int) -> None:
+    """Host time per compiled fwd+bwd call (torch.compile, default mode) of
+    PyTorch's pair and of our in-place module, and of our two ops alone."""
+    torch._dynamo.reset()
+    steps = {}
+    for name, m in (("pytorch, compiled", pair), ("ours in place, compiled", ours)):
+        wrt = (x, *m.parameters())
+        fn = torch.compile(lambda t, m=m: m(t * 1), dynamic=False)
+        steps[name] = lambda fn=fn, wrt=wrt: torch.autograd.grad(fn(x), wrt, g)
+    c = x.shape[1]
+    w, b = ours.weight.detach(), ours.bias.detach()
+    rm, rv = ours.running_mean.clone(), ours.running_var.clone()
+    op = torch.ops.cupy_act
+    args = (x.detach(), w, b, None, None, None, 1e-5, "leaky_relu", 0.01, False, True, True,
+            None, rm, rv, 0.1)  # fmt: skip
+    y, stats, mask = op.batchnorm_act(*args)
+    steps["our forward op"] = lambda: op.batchnorm_act(*args)
+    steps["our backward op"] = lambda: op.batchnorm_act_backward(
+        y, g, mask, w, b, stats, None, "leaky_relu", 0.01, False, True, True, True, False
+    )
+    us = per_call_us(list(steps.values()), calls, repeats)
+    print(f"\ncompiled (default mode, no CUDA graphs), {c} channels: host time per call")
+    for (name, _), t in zip(steps.items(), us):
+        print(f"{name:26s}{t:10.2f} us {t / us[0]:5.2f}x", flush=True)
+    torch._dynamo.reset()
 
 
 def conv_rows(calls: int, repeats: int) -> None:
