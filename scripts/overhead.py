@@ -448,9 +448,14 @@ def compiled_bn_rows(x, g, pair, ours, calls: int, repeats: int) -> None:
     PyTorch's pair and of our in-place module, and of our two ops alone."""
     torch._dynamo.reset()
     steps = {}
-    for name, m in (("pytorch, compiled", pair), ("ours in place, compiled", ours)):
+    # (two functions, two code objects: Dynamo keeps its compiled entries per
+    # code object, and one lambda compiled for both modules would have each
+    # call check the other module's guards too)
+    theirs_fn = torch.compile(lambda t: pair(t * 1), dynamic=False)
+    ours_fn = torch.compile(lambda t: ours(t * 1), dynamic=False)
+    for name, m, fn in (("pytorch, compiled", pair, theirs_fn),
+                        ("ours in place, compiled", ours, ours_fn)):  # fmt: skip
         wrt = (x, *m.parameters())
-        fn = torch.compile(lambda t, m=m: m(t * 1), dynamic=False)
         steps[name] = lambda fn=fn, wrt=wrt: torch.autograd.grad(fn(x), wrt, g)
     c = x.shape[1]
     w, b = ours.weight.detach(), ours.bias.detach()
