@@ -34,7 +34,8 @@ same compiled with ``torch.compile`` (default mode: no CUDA graphs, so each
 call's host work counts), PyTorch's pair against the in-place module (the
 default policy's op, ``cupy_act::batchnorm_act`` and its backward), and the
 two ops called as a compiled graph calls them: the host cost a compiled step
-pays per BatchNorm where no CUDA graph replays it.
+pays per BatchNorm where no CUDA graph replays it, and the floor of such an
+op: one registered the same way that only allocates what our forward does.
 """
 
 from __future__ import annotations
@@ -443,6 +444,28 @@ def bn_rows(shape, calls: int, repeats: int) -> None:
     compiled_bn_rows(x, g, pair, mods["ours in place"], calls, repeats)
 
 
+def _floor_op():
+    """A custom op registered as ours are (``Library.define`` + a Python
+    ``impl``) that allocates what our forward op allocates (y, the
+    statistics, the work area, the mask) and does nothing else: the host
+    cost of any such op, before checks and launches."""
+    lib = torch.library.Library("cupy_act_floor", "FRAGMENT")
+    lib.define("alloc(Tensor x, int[] sizes) -> (Tensor, Tensor, Tensor)")
+
+    def alloc(x, sizes):
+        stats, work, words = sizes
+        x.new_empty(work, dtype=torch.float64)  # (the work area, dead at once)
+        return (torch.empty_like(x), x.new_empty(stats, dtype=torch.float64),
+                x.new_empty(words, dtype=torch.int32))  # fmt: skip
+
+    lib.impl("alloc", alloc, "CompositeExplicitAutograd")
+    _floor_libs.append(lib)  # (the registration lives as long as the library object)
+    return torch.ops.cupy_act_floor.alloc
+
+
+_floor_libs: list = []
+
+
 def compiled_bn_rows(x, g, pair, ours, calls: int, repeats: int) -> None:
     """Host time per compiled fwd+bwd call (torch.compile, default mode) of
     PyTorch's pair and of our in-place module, and of our two ops alone."""
@@ -468,6 +491,9 @@ def compiled_bn_rows(x, g, pair, ours, calls: int, repeats: int) -> None:
     steps["our backward op"] = lambda: op.batchnorm_act_backward(
         y, g, mask, w, b, stats, None, "leaky_relu", 0.01, False, True, True, True, False
     )
+    floor = _floor_op()
+    sizes = (stats.numel(), 2 * c * 1024, mask.numel())  # (the work area: a typical split count)
+    steps["floor op (no kernels)"] = lambda: floor(x, sizes)
     us = per_call_us(list(steps.values()), calls, repeats)
     print(f"\ncompiled (default mode, no CUDA graphs), {c} channels: host time per call")
     for (name, _), t in zip(steps.items(), us):
