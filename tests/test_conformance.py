@@ -20,14 +20,20 @@ SCRIPT = ROOT / "tests" / "conformance_rows.py"
 
 # Inductor's C++ compiles of the CPU rows (compile_*, export_*: 3-5 s each on
 # a 2-core machine, more with a cold cache) run in the exhaustive pass
-# (pytest -m slow, which .ci/run runs too); on a GPU every row runs.
+# (pytest -m slow, which .ci/run runs too); on a GPU every row runs. So do
+# the CPU rows of the torch.func transforms other than grad and vmap (3 s
+# each, 18 s in all on a 2-core machine, where README's test command came to
+# 186-211 s with its install); func_grad and func_vmap stay.
 INDUCTOR_ROWS = ("compile", "export")
+COMPOSED_FUNC_ROWS = ("func_hessian", "func_jacfwd", "func_jacrev", "func_jvp", "func_vjp",
+                      "func_per_sample_grads")  # fmt: skip
 
 
 def _marks(name: str, device: str) -> list:
     if device.startswith("cuda"):
         return [pytest.mark.gpu]
-    return [pytest.mark.slow] if name.startswith(INDUCTOR_ROWS) else []
+    slow = name.startswith(INDUCTOR_ROWS) or name in COMPOSED_FUNC_ROWS
+    return [pytest.mark.slow] if slow else []
 
 
 PARAMS = [
