@@ -49,7 +49,7 @@ def bind(**arrays) -> tuple[_bn.Buffers, tuple]:
         if a is None:
             continue
         if isinstance(a, torch.Tensor):
-            ptrs[i], have[i] = a.data_ptr(), a.numel() * a.element_size()
+            ptrs[i], have[i] = a.data_ptr(), _nbytes(a)
         else:
             ptrs[i], have[i] = a
     return _bn.Buffers(*ptrs), tuple(have)
