@@ -296,7 +296,7 @@ def _need(s: Shape, p: Plan, which: str) -> Buffers:
     )  # fmt: skip
 
 
-def _refuse(ps: Pass, b: Buffers, have: tuple) -> None:
+def _refuse(ps: Pass, b: tuple, have: tuple) -> None:
     short = [
         f"{name} has {got} bytes, needs {need}"
         for name, ptr, got, need in zip(Buffers._fields, b, have, ps.need)
@@ -361,10 +361,11 @@ def outers(s: Shape) -> int:
     return s.n // s.channels if s.channels_last else s.n // max(s.channels * s.inner, 1)
 
 
-def run(ps: Pass, stream: int, b: Buffers, have: tuple, momentum: float, eps: float,
+def run(ps: Pass, stream: int, b: tuple, have: tuple, momentum: float, eps: float,
         slope: float, flags: int, dy_skip: int = 0) -> None:  # fmt: skip
     """The pass's kernels in order on ``stream``, on one parameter block (each
-    launch copies it). ``have``: the bytes each address of ``b`` has to the
+    launch copies it). ``b``: the addresses, ``Buffers`` or a tuple in its
+    field order; ``have``: the bytes each address of ``b`` has to the
     end of its buffer; a launch that would index past one is refused
     (``SizeMismatch``: integer compares, the entry points check first).
     Forward: y (and the mask, where b.mask) from the batch

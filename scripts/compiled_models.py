@@ -33,7 +33,12 @@ pool per device), from a second instance whose steps record its graphs
 (``peak_of_fresh_instance``); the largest relative difference of --loss-steps losses
 from eager PyTorch's, beside eager PyTorch's own float32 noise (its losses in
 the other layout). ``--profile``: device ms per step by kind of kernel
-(BatchNorm forward and backward: ours against Inductor's). ``--peaks-only``:
+(BatchNorm forward and backward: ours against Inductor's). Compile default
+mode: our ops' calls per step (the profiler's host events) and, timed in
+the same process, their host cost per call against the floor op's
+(``scripts/overhead.py``: dispatch and allocations, no launches), with the
+step they would give at that floor (an estimate, optimistic by the
+launches the floor op leaves out). ``--peaks-only``:
 the peaks alone, no step timed (a device run of its own: compiling each
 variant twice, once to time it and once in a fresh process for its peak,
 took cspdarknet53 past 290 s).
@@ -242,11 +247,53 @@ def measure_config(args, name, built, batch, precision) -> dict:
     if args.profile:
         for (v, m), r in runs.items():
             row[f"{v}/{m} profile"] = measure.profile(lambda r=r: r.step(*data[0]))
+    for (v, m), r in runs.items():
+        if m == "default" and v != "pytorch":
+            row[f"{v}/{m} op calls"] = op_calls_per_step(r, data[0])
+    if any(k.endswith("op calls") for k in row):
+        row["op host us"] = op_host_us()
     runs = None
     models._fresh()
     if not args.no_peaks:
         row |= measure_peaks(args, name, built, batch, precision)
     return row
+
+
+def op_calls_per_step(run: Run, batch) -> int:
+    """Calls of our BatchNorm ops in one step (the profiler's host events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run.step(*batch)
+    return sum(e.name in _OPS for e in prof.events())
+
+
+_OPS = ("cupy_act::batchnorm_act", "cupy_act::batchnorm_act_backward")
+
+
+def op_host_us() -> dict:
+    """Host us per call of our forward and backward ops and of the floor op
+    (``scripts/overhead.py``: allocations only), on a small input."""
+    import overhead
+
+    x = torch.randn(8, 64, 16, 16, device="cuda", requires_grad=True)
+    ours = ct.BatchNormAct2d(64, act_layer="leaky_relu", memory="inplace").cuda()
+    calls = overhead.op_calls(x, torch.randn_like(x), ours)
+    return dict(zip(calls, overhead.per_call_us(list(calls.values()), 500, 7)))
+
+
+def print_floor(row, k: str, ms: float, base) -> None:
+    """Compile default mode: what our step would take if our ops cost the
+    floor op's host time (an estimate from this run's figures: the step
+    minus each call's host cost above the floor), against PyTorch's."""
+    host = row["op host us"]
+    ours = (host["our forward op"] + host["our backward op"]) / 2
+    calls, floor = row[f"{k} op calls"], host["floor op (no kernels)"]
+    at_floor = ms - calls * (ours - floor) / 1000
+    print(
+        f"        host floor: {calls} op calls a step at {ours:.1f} us (floor op {floor:.1f} us):"
+        f" at the floor about {at_floor:.2f} ms, {at_floor / base if base else float('nan'):.3f}x"
+    )
 
 
 def _keys(args) -> list:
@@ -303,6 +350,8 @@ def print_row(row, args) -> None:
                 f" {row[f'{k} spread']:7.1%} {mib:9.0f}"
                 f" {mib / mem if mem else float('nan'):9.3f} {row[f'{k} loss diff']:9.1e}"
             )
+            if f"{k} op calls" in row:
+                print_floor(row, k, ms, base)
             if f"{k} profile" in row:
                 p = row[f"{k} profile"]
                 top = ", ".join(f"{n[:40]} {ms:.2f}" for n, ms in p["top other"][:4])

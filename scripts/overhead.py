@@ -445,10 +445,12 @@ def bn_rows(shape, calls: int, repeats: int) -> None:
 
 
 def _floor_op():
-    """A custom op registered as ours are (``Library.define`` + a Python
-    ``impl``) that allocates what our forward op allocates (y, the
+    """A custom op (registered once) as ours are (``Library.define`` + a
+    Python ``impl``) that allocates what our forward op allocates (y, the
     statistics, the work area, the mask) and does nothing else: the host
     cost of any such op, before checks and launches."""
+    if _floor_libs:
+        return torch.ops.cupy_act_floor.alloc
     lib = torch.library.Library("cupy_act_floor", "FRAGMENT")
     lib.define("alloc(Tensor x, int[] sizes) -> (Tensor, Tensor, Tensor)")
 
@@ -466,6 +468,28 @@ def _floor_op():
 _floor_libs: list = []
 
 
+def op_calls(x, g, ours) -> dict:
+    """Our forward and backward ops called as a compiled graph calls them
+    (in-place mode, training, the running statistics updated) on x and g,
+    and the floor op allocating what the forward does: name -> a call."""
+    c = x.shape[1]
+    w, b = ours.weight.detach(), ours.bias.detach()
+    rm, rv = ours.running_mean.clone(), ours.running_var.clone()
+    op = torch.ops.cupy_act
+    args = (x.detach(), w, b, None, None, None, 1e-5, "leaky_relu", 0.01, False, True, True,
+            None, rm, rv, 0.1)  # fmt: skip
+    y, stats, mask = op.batchnorm_act(*args)
+    floor = _floor_op()
+    sizes = (stats.numel(), 2 * c * 1024, mask.numel())  # (the work area: a typical split count)
+    return {
+        "our forward op": lambda: op.batchnorm_act(*args),
+        "our backward op": lambda: op.batchnorm_act_backward(
+            y, g, mask, w, b, stats, None, "leaky_relu", 0.01, False, True, True, True, False
+        ),
+        "floor op (no kernels)": lambda: floor(x, sizes),
+    }
+
+
 def compiled_bn_rows(x, g, pair, ours, calls: int, repeats: int) -> None:
     """Host time per compiled fwd+bwd call (torch.compile, default mode) of
     PyTorch's pair and of our in-place module, and of our two ops alone."""
@@ -480,22 +504,9 @@ def compiled_bn_rows(x, g, pair, ours, calls: int, repeats: int) -> None:
                         ("ours in place, compiled", ours, ours_fn)):  # fmt: skip
         wrt = (x, *m.parameters())
         steps[name] = lambda fn=fn, wrt=wrt: torch.autograd.grad(fn(x), wrt, g)
-    c = x.shape[1]
-    w, b = ours.weight.detach(), ours.bias.detach()
-    rm, rv = ours.running_mean.clone(), ours.running_var.clone()
-    op = torch.ops.cupy_act
-    args = (x.detach(), w, b, None, None, None, 1e-5, "leaky_relu", 0.01, False, True, True,
-            None, rm, rv, 0.1)  # fmt: skip
-    y, stats, mask = op.batchnorm_act(*args)
-    steps["our forward op"] = lambda: op.batchnorm_act(*args)
-    steps["our backward op"] = lambda: op.batchnorm_act_backward(
-        y, g, mask, w, b, stats, None, "leaky_relu", 0.01, False, True, True, True, False
-    )
-    floor = _floor_op()
-    sizes = (stats.numel(), 2 * c * 1024, mask.numel())  # (the work area: a typical split count)
-    steps["floor op (no kernels)"] = lambda: floor(x, sizes)
+    steps |= op_calls(x, g, ours)
     us = per_call_us(list(steps.values()), calls, repeats)
-    print(f"\ncompiled (default mode, no CUDA graphs), {c} channels: host time per call")
+    print(f"\ncompiled (default mode, no CUDA graphs), {x.shape[1]} channels: host time per call")
     for (name, _), t in zip(steps.items(), us):
         print(f"{name:26s}{t:10.2f} us {t / us[0]:5.2f}x", flush=True)
     torch._dynamo.reset()

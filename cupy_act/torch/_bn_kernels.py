@@ -55,6 +55,11 @@ def bind(**arrays) -> tuple[_bn.Buffers, tuple]:
     return _bn.Buffers(*ptrs), tuple(have)
 
 
+def _ref(t) -> tuple[int, int]:
+    """(address, bytes) of a tensor, (0, 0) for None: a Buffers entry and its size."""
+    return (0, 0) if t is None else (t.data_ptr(), t.nbytes)
+
+
 def at(t: torch.Tensor, offset: int) -> tuple[int, int]:
     """(address, bytes left) ``offset`` bytes into t."""
     return t.data_ptr() + offset, _nbytes(t) - offset
@@ -193,24 +198,39 @@ def forward(x, weight, bias, residual, running_mean, running_var, count, factor:
     where no backward reads one (no gradient, the identity, or from y)."""
     s = shape_of(x, mode.act, layout_of(x))
     y, mask = _outputs(x, s, mode, out)
-    ps = _bn.prepare(s, x.data_ptr() | y.data_ptr() | _ptr(residual) | _ptr(post),
-                     "eval" if mode.evaluate else "forward")  # fmt: skip
+    xp, yp = x.data_ptr(), y.data_ptr()
+    rp, rn = _ref(residual)
+    pp, pn = _ref(post)
+    ps = _bn.prepare(s, xp | yp | rp | pp, "eval" if mode.evaluate else "forward")
     dev = x.device
     if split:
         stats = torch.empty(ps.stats, dtype=torch.float64, device=dev)
         work = torch.empty(ps.work, dtype=torch.float64, device=dev)
-        w = at(work, 0)
+        wp = work.data_ptr()
     else:
         stats = torch.empty(ps.stats + ps.work, dtype=torch.float64, device=dev)
-        w = at(stats, 8 * ps.stats)
+        wp = stats.data_ptr() + 8 * ps.stats
+    sp, sn, wn = stats.data_ptr(), stats.nbytes, 8 * ps.work
     stream = _impl._raw_stream(s.device)
     counters, counted, _keep = (0, 0, None) if mode.evaluate else arrivals(s, stream, dev)
-    b, have = bind(
-        x=x, y=y, mask=mask, weight=weight, bias=bias, **_stats_at(stats, s.channels, ps),
-        partial=w, running_mean=running_mean, running_var=running_var,
-        coef=(w[0] + ps.coef, w[1] - ps.coef), num_batches=count,
-        arrivals=(counters, counted), residual=residual, post=post,
-    )  # fmt: skip
+    mp, mn = _ref(mask)
+    wtp, wtn = _ref(weight)
+    bp, bn = _ref(bias)
+    rmp, rmn = _ref(running_mean)
+    rvp, rvn = _ref(running_var)
+    cp, cn = _ref(count)
+    c4 = 4 * s.channels
+    # (Buffers' fields in order, and the bytes to the end of each buffer: what
+    # bind makes from names, spelled out on the per-call path, 3.5 us a call
+    # less on a 2-core CPU host)
+    b = (xp, 0, yp, mp, wtp, bp,  # x, dy, y, mask, weight, bias
+         sp, sp + c4, wp, rmp, rvp,  # mean, invstd, partial, running_mean, running_var
+         0, 0, wp + ps.coef, cp, counters,  # grad_weight, grad_bias, coef, num_batches, arrivals
+         rp, 0, sp + ps.moments, pp)  # residual, grad_residual, moments, post  # fmt: skip
+    have = (x.nbytes, 0, y.nbytes, mn, wtn, bn,
+            sn, sn - c4, wn, rmn, rvn,
+            0, 0, wn - ps.coef, cn, counted,
+            rn, 0, sn - ps.moments, pn)  # fmt: skip
     flags = _bn.EVAL if mode.evaluate else 0
     _bn.run(ps, stream, b, have, factor, eps, mode.slope, flags)
     return y, stats, mask, s
@@ -257,20 +277,33 @@ def backward(src, gy, mask, weight, bias, stats, residual, s: _bn.Shape, mode: M
     dev = src.device
     dx = torch.empty_like(src)
     gr = torch.empty_like(src) if need_r else None
-    pointers = src.data_ptr() | gy.data_ptr() | dx.data_ptr() | _ptr(gr) | _ptr(residual)
+    xp, dyp, dxp = src.data_ptr(), gy.data_ptr(), dx.data_ptr()
+    grp, grn = _ref(gr)
+    rp, rn = _ref(residual)
+    pointers = xp | dyp | dxp | grp | rp
     pointers |= skip * gy.element_size()  # (16-byte vectors: every row or sample aligned)
     ps = _bn.prepare(s, pointers, _backward_pass(mode))
     gw, gb = _grads(s.channels, dev, need_w, need_b)
     work = torch.empty(ps.work, dtype=torch.float64, device=dev)
     stream = _impl._raw_stream(s.device)
     counters, counted, _keep = arrivals(s, stream, dev)
-    b, have = bind(
-        x=src, dy=_dy(gy, skip), y=dx, mask=mask, weight=weight, bias=bias,
-        mean=at(stats, 0),
-        invstd=at(stats, 4 * s.channels), partial=work, grad_weight=gw, grad_bias=gb,
-        coef=at(work, ps.coef), arrivals=(counters, counted), residual=residual,
-        grad_residual=gr,
-    )  # fmt: skip
+    dyp, dyn = _dy(gy, skip)
+    mp, mn = _ref(mask)
+    wtp, wtn = _ref(weight)
+    bp, bn = _ref(bias)
+    gwp, gwn = _ref(gw)
+    gbp, gbn = _ref(gb)
+    sp, sn, wp, wn = stats.data_ptr(), stats.nbytes, work.data_ptr(), 8 * ps.work
+    c4 = 4 * s.channels
+    # (Buffers' fields in order, and the bytes to the end of each: see forward)
+    b = (xp, dyp, dxp, mp, wtp, bp,  # x, dy, y, mask, weight, bias
+         sp, sp + c4, wp, 0, 0,  # mean, invstd, partial, running_mean, running_var
+         gwp, gbp, wp + ps.coef, 0, counters,  # grad_weight, grad_bias, coef, num_batches, arrivals
+         rp, grp, 0, 0)  # residual, grad_residual, moments, post  # fmt: skip
+    have = (src.nbytes, dyn, dx.nbytes, mn, wtn, bn,
+            sn, sn - c4, wn, 0, 0,
+            gwn, gbn, wn - ps.coef, 0, counted,
+            rn, grn, 0, 0)  # fmt: skip
     _bn.run(ps, stream, b, have, 0.0, 0.0, mode.slope, _flags(mode), skip)
     return dx, gw, gb, gr
 

@@ -53,7 +53,8 @@ from . import _bn_graph, _bn_lowering, _impl
 from . import _bn_kernels as _K
 
 _FLEXIBLE = tuple(t for t in (getattr(torch.Tag, "flexible_layout", None),) if t is not None)
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_F32 = torch.float32
+_DTYPES = (_F32, torch.float16, torch.bfloat16)
 _ACTS = tuple(_bn.ACTS)
 
 _lib = torch.library.Library("cupy_act", "FRAGMENT")
@@ -81,7 +82,7 @@ def _fail(fname: str, what: str) -> None:
 
 
 def _check_x(fname: str, name: str, x) -> None:
-    if isinstance(x, Tensor) and x.device.type != "meta" and not _impl.on_gpu(x):
+    if isinstance(x, Tensor) and not _impl.on_gpu(x) and x.device.type != "meta":
         raise TypeError(f"{fname}: {name} is on {x.device}; the kernels take CUDA tensors")
     if not isinstance(x, Tensor) or x.dim() != 4 or x.dtype not in _DTYPES:
         got = f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
@@ -90,12 +91,18 @@ def _check_x(fname: str, name: str, x) -> None:
         _fail(fname, f"{name} has {x.shape[1]} channels; the kernels take at most 65535")
 
 
-def _check_channel(fname: str, name: str, t, x: Tensor) -> None:
-    """A per-channel float32 tensor of x's channels on x's device (or None)."""
-    if t is None:
-        return
-    c = x.shape[1]
-    if t.dtype != torch.float32 or t.device != x.device or tuple(t.shape) != (c,):
+def _check_channels(fname: str, x: Tensor, names: tuple, *tensors) -> None:
+    """Each of ``tensors`` (named ``names``) None or a per-channel float32
+    tensor of x's channels on x's device."""
+    c, dev = x.shape[1], x.get_device()
+    for name, t in zip(names, tensors):
+        if t is None:
+            continue
+        # (get_device: an int, cheaper than comparing devices; -1 for every
+        # device but CUDA, where the devices themselves are compared)
+        if t.dtype is _F32 and t.shape == (c,) and t.get_device() == dev:
+            if dev >= 0 or t.device == x.device:
+                continue
         _fail(
             fname,
             f"{name} must be a float32 tensor of shape ({c},) on {x.device}, got "
@@ -122,33 +129,37 @@ def _check_mode(fname: str, act: str, slope: float, from_output: bool) -> None:
         _fail(fname, f"from_output needs an invertible activation, got {act} (slope {slope})")
 
 
+_FWD_CHANNELS = ("weight", "bias", "running_mean", "running_var", "update_mean", "update_var")
+
+
 def _check_forward(x, weight, bias, residual, running_mean, running_var, act, slope,
                    evaluate, from_output, post, update_mean=None,
                    update_var=None) -> None:  # fmt: skip
     _check_x(_FWD, "x", x)
-    for name, t in (("weight", weight), ("bias", bias)):
-        _check_channel(_FWD, name, t, x)
-    _check_like(_FWD, "residual", residual, x)
-    _check_like(_FWD, "post", post, x)
+    if residual is not None:
+        _check_like(_FWD, "residual", residual, x)
+        if post is not None:
+            _fail(_FWD, "residual and post: the kernels take one or the other")
+    if post is not None:
+        _check_like(_FWD, "post", post, x)
+        if from_output:
+            _fail(_FWD, "from_output inverts the op's output, which post would change: pass one")
     _check_mode(_FWD, act, slope, from_output)
-    if from_output and post is not None:
-        _fail(_FWD, "from_output inverts the op's output, which post would change: pass one")
-    if residual is not None and post is not None:
-        _fail(_FWD, "residual and post: the kernels take one or the other")
     if evaluate:
         if running_mean is None or running_var is None:
             _fail(_FWD, "evaluate=True needs running_mean and running_var")
-        for name, t in (("running_mean", running_mean), ("running_var", running_var)):
-            _check_channel(_FWD, name, t, x)
+    else:  # (a training forward reads no running statistics: it updates update_*)
+        running_mean = running_var = None
     if (update_mean is None) != (update_var is None):
         _fail(_FWD, "update_mean and update_var go together: pass both or neither")
     if update_mean is not None:
         if evaluate:
             _fail(_FWD, "update_mean and update_var are a training forward's (evaluate=False)")
         for name, t in (("update_mean", update_mean), ("update_var", update_var)):
-            _check_channel(_FWD, name, t, x)
             if not t.is_contiguous():
                 _fail(_FWD, f"{name} must be dense")
+    _check_channels(_FWD, x, _FWD_CHANNELS, weight, bias, running_mean, running_var, update_mean,
+                    update_var)  # fmt: skip
     if not evaluate and x.numel() // max(x.shape[1], 1) <= 1:
         raise ValueError(
             f"{_FWD}: expected more than 1 value per channel when training, got input size "
@@ -172,18 +183,24 @@ def _forward_impl(x, weight, bias, residual, running_mean, running_var, eps, act
         x, weight, bias, residual, running_mean, running_var, act, slope, evaluate, from_output,
         post, update_mean, update_var,
     )  # fmt: skip
-    cl = _K.layout_of(x)
-    x = _K.arranged(x, cl)
-    residual, post = _K.arranged(residual, cl), _K.arranged(post, cl)
-    weight, bias = _K.arranged(weight, False), _K.arranged(bias, False)
-    mode = _K.Mode(act, slope, evaluate, from_output, grad)
     if x.numel() == 0:
         return _outputs(x, act, from_output, grad)
+    # (None stays None; every tensor in the layout the kernels walk x)
+    cl = _K.layout_of(x)
+    x = _impl.arrange(x, cl)
+    if residual is not None:
+        residual = _impl.arrange(residual, cl)
+    if post is not None:
+        post = _impl.arrange(post, cl)
+    if weight is not None:
+        weight = weight.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
     # (evaluate: the running statistics read; training: those updated, if any)
     mean, var = (running_mean, running_var) if evaluate else (update_mean, update_var)
     y, stats, mask, _ = _K.forward(
-        x, weight, bias, residual, mean, var, None, float(momentum), eps, mode, split=True,
-        post=post,
+        x, weight, bias, residual, mean, var, None, float(momentum), eps,
+        _K.Mode(act, slope, evaluate, from_output, grad), split=True, post=post,
     )  # fmt: skip
     if mask is None:
         mask = x.new_empty(0, dtype=torch.int32)
@@ -205,8 +222,7 @@ def _forward_fake(x, weight, bias, residual, running_mean, running_var, eps, act
 def _check_backward(src, dy, mask, weight, bias, stats, residual, act, slope, from_output):
     _check_x(_BWD, "src", src)
     _check_like(_BWD, "dy", dy, src)
-    for name, t in (("weight", weight), ("bias", bias)):
-        _check_channel(_BWD, name, t, src)
+    _check_channels(_BWD, src, ("weight", "bias"), weight, bias)
     _check_mode(_BWD, act, slope, from_output)
     c = src.shape[1]
     if stats.dtype != torch.float64 or stats.numel() < _bn.stats_doubles(c):
@@ -217,8 +233,9 @@ def _check_backward(src, dy, mask, weight, bias, stats, residual, act, slope, fr
         words = _K.mask_words(src.numel())
         if mask.dtype != torch.int32 or mask.numel() < words:
             _fail(_BWD, f"mask must be int32 with {words} words for {src.numel()} elements")
-    for t in (dy, mask, stats):
-        if t.device != src.device:
+    dev = src.get_device()  # (as _check_channels compares devices)
+    for t in (mask, stats):
+        if t.get_device() != dev or dev < 0 and t.device != src.device:
             _fail(_BWD, f"every tensor must be on {src.device}, got one on {t.device}")
 
 
@@ -237,21 +254,22 @@ def _backward_impl(src, dy, mask, weight, bias, stats, residual, act, slope, eva
     if src.numel() == 0:
         return _grads_like(src, need_weight, need_bias, need_residual)
     cl = _K.layout_of(src)
-    src = _K.arranged(src, cl)
-    s = _K.shape_of(src, act, cl)
-    mode = _K.Mode(act, slope, evaluate, from_output, True)
+    src = _impl.arrange(src, cl)
+    if weight is not None:
+        weight = weight.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
     dx, gw, gb, gr = _K.backward(
-        src, dy, mask if mask.numel() else None, _K.arranged(weight, False),
-        _K.arranged(bias, False), stats, residual, s, mode, need_weight, need_bias,
-        need_residual,
+        src, dy, mask if mask.numel() else None, weight, bias, stats, residual,
+        _K.shape_of(src, act, cl), _K.Mode(act, slope, evaluate, from_output, True),
+        need_weight, need_bias, need_residual,
     )  # fmt: skip
-    empty = src.new_empty(0, dtype=torch.float32)
-    return (
-        dx,
-        empty if gw is None else gw,
-        empty if gb is None else gb,
-        src.new_empty(0) if gr is None else gr,
-    )
+    # (the schema returns four tensors: empty ones for the gradients not asked for)
+    if gw is None:
+        gw = src.new_empty(0, dtype=torch.float32)
+    if gb is None:
+        gb = src.new_empty(0, dtype=torch.float32)
+    return dx, gw, gb, src.new_empty(0) if gr is None else gr
 
 
 def _backward_fake(src, dy, mask, weight, bias, stats, residual, act, slope, evaluate,
