@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -161,6 +161,32 @@ def test_compiled_models_peaks_only(monkeypatch, capsys):
     compiled_models.print_peaks({"model": "m", "batch": 32, "precision": "fp32", **peaks}, args)
     line = [x for x in capsys.readouterr().out.splitlines() if "ours-inplace" in x][0]
     assert line.split()[-2:] == ["2900", "0.725"]
+
+
+def test_compiled_models_prints_the_default_modes_host_floor(monkeypatch, capsys):
+    """Compile default mode: the ops' calls in one step counted from the
+    profiler's host events, and the step at the floor printed as the step
+    less each call's host cost above the floor op's."""
+    from types import SimpleNamespace
+
+    import compiled_models
+
+    monkeypatch.setattr(compiled_models, "_OPS", ("aten::neg",))
+    run = SimpleNamespace(step=lambda x, t: (torch.neg(x), torch.neg(t), torch.abs(x)))
+    assert compiled_models.op_calls_per_step(run, (torch.ones(2), torch.ones(2))) == 2
+    row = {"model": "m", "batch": 32, "precision": "fp32", "noise": 1e-4,
+           "pytorch/default ms": 25.0, "pytorch/default spread": 0.01,
+           "pytorch/default loss diff": 1e-4, "ours/default ms": 31.0,
+           "ours/default spread": 0.02, "ours/default loss diff": 1e-4,
+           "ours/default op calls": 134,
+           "op host us": {"our forward op": 50.0, "our backward op": 54.0,
+                          "floor op (no kernels)": 14.0}}  # fmt: skip
+    args = SimpleNamespace(modes=["default"], variants=["pytorch", "ours"])
+    compiled_models.print_row(row, args)
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "host floor" in x]
+    # 31 ms - 134 calls x (52 - 14) us = 25.908 ms, 1.036x PyTorch's 25
+    assert "134 op calls a step at 52.0 us (floor op 14.0 us)" in line
+    assert line.endswith("about 25.91 ms, 1.036x")
 
 
 def test_compiled_models_peaks_only_writes_json(monkeypatch, tmp_path):
