@@ -38,8 +38,6 @@ def _check(run, named: dict, stats) -> None:
     c = ps.shape.channels
     if stats is not None:
         for field, offset in (("mean", 0), ("invstd", 4 * c), ("moments", ps.moments)):
-            if field == "moments" and ps.stats == 0:
-                continue
             named[field] = (stats, offset)
     for field, t in named.items():
         t, offset = t if isinstance(t, tuple) else (t, 0)
