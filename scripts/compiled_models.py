@@ -33,7 +33,11 @@ pool per device), from a second instance whose steps record its graphs
 (``peak_of_fresh_instance``); the largest relative difference of --loss-steps losses
 from eager PyTorch's, beside eager PyTorch's own float32 noise (its losses in
 the other layout). ``--profile``: device ms per step by kind of kernel
-(BatchNorm forward and backward: ours against Inductor's). Compile default
+(BatchNorm forward and backward: ours against Inductor's), and the bytes
+BatchNorm + activation must move per step (``FLOOR_PASSES``: x kept and y
+recomputed, as Inductor keeps the peak, or y kept) over the copy bandwidth
+measured in the same run, with the step PyTorch's would take at each floor:
+the best any BatchNorm kernel could give it. Compile default
 mode: our ops' calls per step (the profiler's host events) and, timed in
 the same process, their host cost per call against the floor op's
 (``scripts/overhead.py``: dispatch and allocations, no launches), with the
@@ -247,6 +251,9 @@ def measure_config(args, name, built, batch, precision) -> dict:
     if args.profile:
         for (v, m), r in runs.items():
             row[f"{v}/{m} profile"] = measure.profile(lambda r=r: r.step(*data[0]))
+        row["bn elements"] = bn_elements(eager, shape, batch)
+        nbytes = 1 << 28
+        row["copy GB/s"] = 2 * nbytes / measure.copy_ms(nbytes) / 1e6
     for (v, m), r in runs.items():
         if m == "default" and v != "pytorch":
             row[f"{v}/{m} op calls"] = op_calls_per_step(r, data[0])
@@ -294,6 +301,54 @@ def print_floor(row, k: str, ms: float, base) -> None:
         f"        host floor: {calls} op calls a step at {ours:.1f} us (floor op {floor:.1f} us):"
         f" at the floor about {at_floor:.2f} ms, {at_floor / base if base else float('nan'):.3f}x"
     )
+
+
+# Passes over BatchNorm-input-sized tensors in one training step (each reads or
+# writes every element once), by what the backward keeps:
+FLOOR_PASSES = {
+    # forward: x read for the statistics, x read and y written; backward: y
+    # recomputed for the next convolution's weight gradient (x read, y
+    # written), the gradient sums (dy and x read), dx (dy and x read, dx
+    # written). One tensor kept per pair: the peak of Inductor's own graphs.
+    "x kept, y recomputed": 10,
+    # the backward reads y, which the next convolution keeps anyway: no
+    # recomputation (the in-place mode; a ReLU's y cannot give x back), or x
+    # and y both kept (the default mode's op: a tensor more per pair)
+    "y kept": 8,
+}
+
+
+def bn_elements(eager, shape, batch) -> int:
+    """Elements of every BatchNorm's input in one forward pass at ``batch``
+    (a copy of the model on the meta device: shapes only, nothing computed)."""
+    model = copy.deepcopy(eager).to("meta").eval()
+    seen = []
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm):
+            mod.register_forward_pre_hook(lambda _mod, a: seen.append(a[0].numel()))
+    with torch.no_grad():
+        model(torch.empty(batch, *shape, device="meta"))
+    return sum(seen)
+
+
+def print_byte_floor(row, m: str, base: float) -> None:
+    """BatchNorm + activation against the bytes it must move: each variant's
+    BatchNorm device time per step (the profile) beside FLOOR_PASSES' floors
+    at this run's copy bandwidth, and the step PyTorch's would take with its
+    BatchNorm at each floor and nothing else changed, against its own: the
+    best any BatchNorm kernel keeping that much could give. Residual and
+    shortcut adds are not counted, which lowers the floors."""
+    n, rate = row["bn elements"], row["copy GB/s"]
+    size = 2 if row["precision"] == "bf16cl" else 4
+    p = row[f"pytorch/{m} profile"]
+    bn = p["BN fwd"] + p["BN bwd"]
+    floors = {k: passes * n * size / rate / 1e6 for k, passes in FLOOR_PASSES.items()}
+    at = ", ".join(f"{k} {f:.2f} ms (step {(base - bn + f) / base:.3f}x)"
+                   for k, f in floors.items())  # fmt: skip
+    own = ", ".join(f"{k.split('/')[0]} {v['BN fwd'] + v['BN bwd']:.2f}"
+                    for k, v in row.items() if k.endswith(f"/{m} profile"))  # fmt: skip
+    print(f"        BN byte floor, {n} elements x {size} B a pass at {rate:.0f} GB/s: {at};"
+          f" BN device ms: {own}")  # fmt: skip
 
 
 def _keys(args) -> list:
@@ -360,6 +415,8 @@ def print_row(row, args) -> None:
                     f"{p['convolution']:.2f}, other {p['other']:.2f}, total {p['total']:.2f}; "
                     f"largest other: {top}"
                 )
+        if f"pytorch/{m} profile" in row and "bn elements" in row and row["bn elements"]:
+            print_byte_floor(row, m, base)
 
 
 def measure_block(args) -> None:

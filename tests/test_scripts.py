@@ -189,6 +189,38 @@ def test_compiled_models_prints_the_default_modes_host_floor(monkeypatch, capsys
     assert line.endswith("about 25.91 ms, 1.036x")
 
 
+def test_compiled_models_prints_batchnorms_byte_floor(capsys):
+    """--profile: the BatchNorms' input elements counted on the meta device
+    (strided layers included), and the floors printed as passes x elements x
+    the precision's bytes over the copy bandwidth, with the step PyTorch's
+    would take at each floor."""
+    from types import SimpleNamespace
+
+    import compiled_models
+
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 16, 3, stride=2, padding=1), torch.nn.BatchNorm2d(16),
+    )  # fmt: skip
+    assert compiled_models.bn_elements(model, (3, 10, 10), 4) == 4 * 8 * 100 + 4 * 16 * 25
+    assert next(model.parameters()).device.type == "cpu"  # (a copy went to meta)
+    profile = {"BN fwd": 3.0, "BN bwd": 5.0}
+    row = {"model": "m", "batch": 32, "precision": "bf16cl", "noise": 1e-4,
+           "pytorch/reduce-overhead ms": 20.0, "pytorch/reduce-overhead spread": 0.01,
+           "pytorch/reduce-overhead loss diff": 1e-4,
+           "pytorch/reduce-overhead profile": profile | {"convolution": 9.0, "other": 1.0,
+                                                         "total": 18.0, "top other": []},
+           "ours/reduce-overhead profile": {"BN fwd": 2.0, "BN bwd": 3.5},
+           "bn elements": 10**8, "copy GB/s": 4000.0}  # fmt: skip
+    args = SimpleNamespace(modes=["reduce-overhead"], variants=["pytorch"])
+    compiled_models.print_row(row, args)
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "byte floor" in x]
+    # 10 passes x 1e8 x 2 B / 4000 GB/s = 0.5 ms: 20 - 8 + 0.5 = 12.5 ms, 0.625x
+    assert "x kept, y recomputed 0.50 ms (step 0.625x)" in line
+    assert "y kept 0.40 ms (step 0.620x)" in line
+    assert line.endswith("BN device ms: pytorch 8.00, ours 5.50")
+
+
 def test_compiled_models_peaks_only_writes_json(monkeypatch, tmp_path):
     """main() with --peaks-only and --json: the peaks' rows reach the file, as
     the timed rows do."""
