@@ -35,7 +35,7 @@ from eager PyTorch's, beside eager PyTorch's own float32 noise (its losses in
 the other layout). ``--profile``: device ms per step by kind of kernel
 (BatchNorm forward and backward: ours against Inductor's), and the bytes
 BatchNorm + activation must move per step (``FLOOR_PASSES``: x kept and y
-recomputed, as Inductor keeps the peak, or y kept) over the copy bandwidth
+recomputed, one tensor per pair, or y kept) over the copy bandwidth
 measured in the same run, with the step PyTorch's would take at each floor:
 the best any BatchNorm kernel could give it. Compile default
 mode: our ops' calls per step (the profiler's host events) and, timed in
@@ -309,7 +309,8 @@ FLOOR_PASSES = {
     # forward: x read for the statistics, x read and y written; backward: y
     # recomputed for the next convolution's weight gradient (x read, y
     # written), the gradient sums (dy and x read), dx (dy and x read, dx
-    # written). One tensor kept per pair: the peak of Inductor's own graphs.
+    # written). One tensor kept per pair, as when Inductor's partitioner
+    # recomputes its own BatchNorm; the gradients from x exact.
     "x kept, y recomputed": 10,
     # the backward reads y, which the next convolution keeps anyway: no
     # recomputation (the in-place mode; a ReLU's y cannot give x back), or x
